@@ -43,3 +43,317 @@ def approx_kl_ref(lp, ref, estimator):
             v = abs(log_ratio)
         out.view(-1)[idx] = v
     return out
+
+
+# --- kl (exact_kl) ----------------------------------------------------------------------
+
+def exact_kl_ref(logits, ref_logits, temperature=1.0):
+    """sum_v p_v (log p_v - log q_v) at every [b, t], in Python floats."""
+    B, T, V = logits.shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            xs = [float(logits[b, t, v]) / temperature for v in range(V)]
+            ys = [float(ref_logits[b, t, v]) / temperature for v in range(V)]
+            mx, my = max(xs), max(ys)
+            lse_x = mx + math.log(sum(math.exp(x - mx) for x in xs))
+            lse_y = my + math.log(sum(math.exp(y - my) for y in ys))
+            total = 0.0
+            for x, y in zip(xs, ys):
+                log_p, log_q = x - lse_x, y - lse_y
+                total += math.exp(log_p) * (log_p - log_q)
+            out[b, t] = total
+    return out
+
+
+# --- reduce (masked reductions) ---------------------------------------------------------
+
+def masked_values_ref(values, mask):
+    """The counted values of ``values`` as a flat Python list (row-major order)."""
+    flat_v, flat_m = values.flatten(), mask.flatten()
+    return [float(flat_v[i]) for i in range(flat_v.numel()) if bool(flat_m[i])]
+
+
+def masked_var_ref(values, mask, unbiased=True):
+    xs = masked_values_ref(values, mask)
+    n = len(xs)
+    dof = n - 1 if unbiased else n
+    if dof <= 0:
+        return 0.0
+    mean = sum(xs) / n
+    return sum((x - mean) ** 2 for x in xs) / dof
+
+
+def masked_whiten_ref(values, mask, shift_mean=True, eps=1e-8):
+    xs = masked_values_ref(values, mask)
+    mean = sum(xs) / len(xs) if xs else 0.0
+    std = math.sqrt(masked_var_ref(values, mask) + eps)
+    out = torch.zeros(values.shape, dtype=torch.float64)
+    for idx in range(values.numel()):
+        if bool(mask.flatten()[idx]):
+            w = (float(values.flatten()[idx]) - mean) / std if std > 0 else 0.0
+            out.view(-1)[idx] = w if shift_mean else w + mean
+    return out
+
+
+# --- advantages ---------------------------------------------------------------------------
+
+def gae_ref(rewards, values, mask, gamma, lam):
+    """GAE by the definition: a reverse loop over the counted tokens of each row, in floats.
+
+    Masked positions are skipped (value and running advantage carry across them), no
+    bootstrap after the last counted token, 0 at masked positions.
+    """
+    B, T = mask.shape
+    adv = torch.zeros(B, T, dtype=torch.float64)
+    ret = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        counted = [t for t in range(T) if bool(mask[b, t])]
+        next_value, running = 0.0, 0.0
+        for t in reversed(counted):
+            v = float(values[b, t])
+            delta = float(rewards[b, t]) + gamma * next_value - v
+            running = delta + gamma * lam * running
+            adv[b, t] = running
+            ret[b, t] = running + v
+            next_value = v
+    return adv, ret
+
+
+def discounted_returns_ref(rewards, mask, gamma):
+    """Reward-to-go over the counted tokens of each row; rewards [B, T] or [B] (last token)."""
+    B, T = mask.shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        counted = [t for t in range(T) if bool(mask[b, t])]
+        running = 0.0
+        for k, t in enumerate(reversed(counted)):
+            if rewards.dim() == 2:
+                r = float(rewards[b, t])
+            else:
+                r = float(rewards[b]) if k == 0 else 0.0
+            running = r + gamma * running
+            out[b, t] = running
+    return out
+
+
+def group_advantages_ref(rewards, group_size, scale, eps):
+    """Per-group loop with the statistics module; NaN left out; all-equal groups give 0."""
+    import statistics
+
+    flat = [float(r) for r in rewards]
+    valid_all = [r for r in flat if not math.isnan(r)]
+    std_all = statistics.stdev(valid_all) if len(valid_all) > 1 else 0.0
+    out = []
+    for g in range(0, len(flat), group_size):
+        group = flat[g:g + group_size]
+        valid = [r for r in group if not math.isnan(r)]
+        tied = len(set(valid)) <= 1
+        mean = sum(valid) / len(valid) if valid else 0.0
+        std = statistics.stdev(valid) if len(valid) > 1 else 0.0
+        for r in group:
+            if math.isnan(r) or tied:
+                out.append(0.0)
+            elif scale == "group":
+                out.append((r - mean) / (std + eps))
+            elif scale == "batch":
+                out.append((r - mean) / (std_all + eps))
+            else:
+                out.append(r - mean)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def rloo_advantages_ref(rewards, group_size):
+    """r_i minus the mean of the other valid rewards of its group."""
+    flat = [float(r) for r in rewards]
+    out = []
+    for g in range(0, len(flat), group_size):
+        group = flat[g:g + group_size]
+        valid = [r for r in group if not math.isnan(r)]
+        for i, r in enumerate(group):
+            others = [x for j, x in enumerate(group) if j != i and not math.isnan(x)]
+            if math.isnan(r) or not others or len(set(valid)) <= 1:
+                out.append(0.0)
+            else:
+                out.append(r - sum(others) / len(others))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+# --- log_probs --------------------------------------------------------------------------
+
+def _log_softmax_row_ref(xs):
+    """log softmax of a Python list of floats (max-shifted logsumexp)."""
+    m = max(xs)
+    if m == -math.inf:
+        return [math.nan for _ in xs]
+    lse = m + math.log(sum(math.exp(x - m) for x in xs))
+    return [x - lse for x in xs]
+
+
+def token_log_probs_ref(logits, tokens, temperature=1.0):
+    """log softmax(logits[b, t] / temperature)[tokens[b, t]] at every [b, t], in Python floats."""
+    B, T, V = logits.shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            row = _log_softmax_row_ref([float(logits[b, t, v]) / temperature for v in range(V)])
+            out[b, t] = row[int(tokens[b, t])]
+    return out
+
+
+def token_entropy_ref(logits, temperature=1.0):
+    """-sum_v p_v log p_v of softmax(logits[b, t] / temperature), with 0 log 0 = 0."""
+    B, T, V = logits.shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            row = _log_softmax_row_ref([float(logits[b, t, v]) / temperature for v in range(V)])
+            out[b, t] = -sum(math.exp(lp) * lp for lp in row if lp > -math.inf)
+    return out
+
+
+def lm_head_logits_ref(hidden, weight, bias=None):
+    """logits[b, t, v] = sum_h hidden[b, t, h] * weight[v, h] (+ bias[v]), in Python floats."""
+    B, T, H = hidden.shape
+    V = weight.shape[0]
+    out = torch.zeros(B, T, V, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            for v in range(V):
+                acc = sum(float(hidden[b, t, h]) * float(weight[v, h]) for h in range(H))
+                out[b, t, v] = acc + (float(bias[v]) if bias is not None else 0.0)
+    return out
+
+
+# --- distributed ------------------------------------------------------------------------
+
+def global_counts_ref(masks_per_rank):
+    """(tokens, sequences with >= 1 token) over a list (ranks) of lists (micro-batches) of masks."""
+    tokens = sequences = 0
+    for masks in masks_per_rank:
+        for mask in masks:
+            for row in mask.tolist():
+                n = sum(1 for x in row if x)
+                tokens += n
+                sequences += 1 if n > 0 else 0
+    return tokens, sequences
+
+
+# --- losses -----------------------------------------------------------------------------
+
+def ppo_per_token_ref(lp, old, adv, mask, clip_low=0.2, clip_high=None, dual_clip=None,
+                      level="token", weights=None):
+    """Per-token PPO loss as nested lists of floats (0.0 where masked), one token at a time."""
+    clip_high = clip_low if clip_high is None else clip_high
+    B, T = lp.shape
+    out = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        counted = [t for t in range(T) if mask[b, t]]
+        if level == "sequence" and counted:
+            seq = sum(float(lp[b, t]) - float(old[b, t]) for t in counted) / len(counted)
+        for t in counted:
+            log_ratio = seq if level == "sequence" else float(lp[b, t]) - float(old[b, t])
+            ratio = math.exp(max(min(log_ratio, 20.0), -20.0))
+            a = float(adv[b]) if adv.dim() == 1 else float(adv[b, t])
+            unclipped = -a * ratio
+            clipped = -a * min(max(ratio, 1 - clip_low), 1 + clip_high)
+            loss = max(unclipped, clipped)
+            if dual_clip is not None and a < 0:
+                loss = min(loss, -dual_clip * a)
+            if weights is not None:
+                loss *= float(weights[b]) if weights.dim() == 1 else float(weights[b, t])
+            out[b][t] = loss
+    return out
+
+
+def ppo_metrics_ref(lp, old, adv, mask, clip_low=0.2, clip_high=None, dual_clip=None):
+    """Token-level PPO metrics by counting, one token at a time."""
+    clip_high = clip_low if clip_high is None else clip_high
+    B, T = lp.shape
+    ratios, low, high, dual, kl = [], 0, 0, 0, 0.0
+    for b in range(B):
+        for t in range(T):
+            if not mask[b, t]:
+                continue
+            lr = float(lp[b, t]) - float(old[b, t])
+            r = math.exp(lr)
+            a = float(adv[b]) if adv.dim() == 1 else float(adv[b, t])
+            ratios.append(r)
+            low += r < 1 - clip_low and a < 0
+            high += r > 1 + clip_high and a > 0
+            dual += dual_clip is not None and r > dual_clip and a < 0
+            kl += r - 1 - lr
+    n = len(ratios)
+    if n == 0:
+        out = {"clip_frac_low": 0.0, "clip_frac_high": 0.0, "approx_kl": 0.0,
+               "ratio_mean": 0.0, "ratio_min": 0.0, "ratio_max": 0.0}
+    else:
+        out = {"clip_frac_low": low / n, "clip_frac_high": high / n, "approx_kl": kl / n,
+               "ratio_mean": sum(ratios) / n, "ratio_min": min(ratios), "ratio_max": max(ratios)}
+    if dual_clip is not None:
+        out["dual_clip_frac"] = dual / n if n else 0.0
+    return out
+
+
+def value_per_token_ref(v, v_old, ret, mask, clip):
+    B, T = v.shape
+    out = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        for t in range(T):
+            if mask[b, t]:
+                x, x_old, r = float(v[b, t]), float(v_old[b, t]), float(ret[b, t])
+                loss = (x - r) ** 2
+                if clip is not None:
+                    x_clip = min(max(x, x_old - clip), x_old + clip)
+                    loss = max(loss, (x_clip - r) ** 2)
+                out[b][t] = 0.5 * loss
+    return out
+
+
+# --- corrections ------------------------------------------------------------------------
+
+def truncated_importance_weights_ref(old, rollout, mask, level, cap):
+    B, T = old.shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        counted = [t for t in range(T) if mask[b, t]]
+        seq = sum(float(old[b, t]) - float(rollout[b, t]) for t in counted)
+        for t in counted:
+            lr = seq if level == "sequence" else float(old[b, t]) - float(rollout[b, t])
+            out[b, t] = min(math.exp(min(lr, 700.0)), cap)
+    return out
+
+
+def ratio_mask_ref(old, rollout, mask, low, high, level):
+    B, T = old.shape
+    out = torch.zeros(B, T, dtype=torch.bool)
+    for b in range(B):
+        counted = [t for t in range(T) if mask[b, t]]
+        if not counted:
+            continue
+        geo = math.exp(sum(float(old[b, t]) - float(rollout[b, t]) for t in counted) / len(counted))
+        for t in counted:
+            r = geo if level == "sequence" else math.exp(float(old[b, t]) - float(rollout[b, t]))
+            out[b, t] = low <= r <= high
+    return out
+
+
+def overlong_penalty_ref(lengths, max_length, buffer_length, penalty):
+    out = []
+    for length in lengths.tolist():
+        if length <= max_length - buffer_length:
+            out.append(0.0)
+        elif length <= max_length:
+            out.append(-penalty * (length - (max_length - buffer_length)) / buffer_length)
+        else:
+            out.append(-penalty)
+    return torch.tensor(out)
+
+
+def zero_std_groups_ref(rewards, group_size):
+    out = []
+    values = rewards.tolist()
+    for start in range(0, len(values), group_size):
+        group = [x for x in values[start:start + group_size] if not math.isnan(x)]
+        out += [len(set(group)) <= 1] * group_size
+    return torch.tensor(out, dtype=torch.bool)

@@ -30,7 +30,7 @@ class Batch:
     Shapes: B sequences (= prompts x G generations), T response tokens.
     Every field is optional; unset fields are ``None``.
 
-    Fields:
+    Args:
         tokens: [B, T] int64 response token ids (right-padded).
         mask: [B, T] bool, True where the token counts in the loss.
         log_probs: [B, T] log-probs under the policy being trained (carries grad).
@@ -43,6 +43,11 @@ class Batch:
         prompt_tokens: [B, P] int64 prompt ids (left-padded).
         prompt_mask: [B, P] bool, True on real prompt tokens.
         truncated: [B] bool, True where generation hit the length limit.
+        batch_size: ``[B]``.
+
+    Returns:
+        A tensorclass read by attribute (``batch.log_probs``) or by key
+        (``batch["log_probs"]``); ``batch.to_tensordict()`` gives a plain ``TensorDict``.
 
     Example:
         >>> import torch

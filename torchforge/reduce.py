@@ -34,11 +34,11 @@ __all__ = [
 AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def _masked(fn: str, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``values`` in float32 with masked-out positions set to exactly 0."""
-    check_tensor(fn, "values", values)
-    check_float(fn, "values", values)
-    check_mask(fn, mask, "values", values)
+def _masked(fn: str, values: torch.Tensor, mask: torch.Tensor, name: str = "values") -> torch.Tensor:
+    """``values`` (the argument ``name``) in float32 with masked-out positions set to 0."""
+    check_tensor(fn, name, values)
+    check_float(fn, name, values)
+    check_mask(fn, mask, name, values)
     # where, not multiplication: NaN * 0 is NaN.
     return torch.where(mask, values.float(), 0.0)
 
@@ -157,8 +157,10 @@ def masked_whiten(
     masked = _masked("masked_whiten", values, mask)
     mean = masked.sum() / mask.sum().clamp(min=1)
     var = masked_var(values, mask) + eps
-    # Constant values (var + eps == 0) whiten to 0, not to 0 * inf = NaN.
-    whitened = (masked - mean) * torch.where(var > 0, torch.rsqrt(var), 0.0)
+    # Constant values (var + eps == 0) whiten to 0, not to 0 * inf = NaN; the inner where
+    # keeps rsqrt away from 0 so that its gradient (0 * inf) cannot be NaN either.
+    positive = var > 0
+    whitened = (masked - mean) * torch.where(positive, torch.rsqrt(torch.where(positive, var, 1.0)), 0.0)
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask, whitened, 0.0)
@@ -243,7 +245,10 @@ def aggregate(
     check_choice(fn, "mode", mode, AGGREGATION_MODES)
     if not (isinstance(dp_size, int) and dp_size >= 1):
         raise InvalidArgumentError(f"{fn}: dp_size must be an int >= 1, got {dp_size!r}")
-    masked = _masked(fn, per_token, mask)
+    for name, count in (("num_tokens", num_tokens), ("num_sequences", num_sequences)):
+        if count is not None and not isinstance(count, torch.Tensor):  # no device sync
+            check_non_negative(fn, name, count)
+    masked = _masked(fn, per_token, mask, "per_token")
 
     if mode == "token-mean":
         if num_tokens is None and dp_size > 1:

@@ -1,0 +1,184 @@
+"""Benchmark exact_kl (chunked, recomputing backward) against the unchunked formulations.
+
+Variants, side by side in one process (timings interleaved A B C A B C ...):
+
+- ``exact_kl``: torchforge's chunked forward and backward.
+- ``naive``: ``log_softmax`` of both, ``(p * (log_p - log_q)).sum(-1)``, autograd.
+- ``kl_div``: ``F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)``.
+
+For N positions x V vocabulary, float32 and bfloat16, forward only (no grad) and
+forward+backward (gradient w.r.t. the policy logits). Reports median time, the ratio to
+``exact_kl`` and the peak extra memory (RSS above the inputs, in a fresh subprocess per
+variant on CPU, with glibc's mmap threshold fixed so that freed buffers leave the RSS;
+``max_memory_allocated`` on CUDA) as a multiple of one [N, V] float32
+tensor. Writes benchmarks/results/kl.md.
+
+    python benchmarks/bench_kl.py            # N=2048, V in {32000, 128256}
+    python benchmarks/bench_kl.py --quick    # N=1024, V=32000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from torchforge.kl import exact_kl
+
+
+def naive(logits, ref_logits):
+    log_p = torch.log_softmax(logits.float(), -1)
+    log_q = torch.log_softmax(ref_logits.float(), -1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def kl_div(logits, ref_logits):
+    log_p = torch.log_softmax(logits.float(), -1)
+    log_q = torch.log_softmax(ref_logits.float(), -1)
+    return F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
+
+
+VARIANTS = {"exact_kl": exact_kl, "naive": naive, "kl_div": kl_div}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _inputs(n, v, dtype, device, grad):
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(1, n, v, generator=g, device=device).to(dtype).requires_grad_(grad)
+    ref_logits = torch.randn(1, n, v, generator=g, device=device).to(dtype)
+    return logits, ref_logits
+
+
+def _run(fn, logits, ref_logits, backward):
+    if backward:
+        out = fn(logits, ref_logits)
+        out.sum().backward()
+        logits.grad = None
+    else:
+        with torch.no_grad():
+            fn(logits, ref_logits)
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_variants(n, v, dtype, device, backward, repeats):
+    logits, ref_logits = _inputs(n, v, dtype, device, backward)
+    times = {name: [] for name in VARIANTS}
+    for name, fn in VARIANTS.items():  # warm-up
+        _run(fn, logits, ref_logits, backward)
+    for _ in range(repeats):
+        for name, fn in VARIANTS.items():  # interleaved: A B C A B C ...
+            _sync(device)
+            start = time.perf_counter()
+            _run(fn, logits, ref_logits, backward)
+            _sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _peak_rss_bytes(reset=False):
+    """Peak RSS of this process (VmHWM; ru_maxrss would include the parent's peak)."""
+    if reset:
+        try:  # Linux >= 4.0: reset the high-water mark to the current RSS
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def measure_memory_here(name, n, v, dtype, backward):
+    """Peak RSS growth of one call, in this (fresh) process; printed for the parent."""
+    logits, ref_logits = _inputs(n, v, DTYPES[dtype], "cpu", backward)
+    _run(VARIANTS[name], logits[:, :8], ref_logits[:, :8], backward)  # load kernels
+    base = _peak_rss_bytes(reset=True)
+    _run(VARIANTS[name], logits, ref_logits, backward)
+    print(_peak_rss_bytes() - base)
+
+
+def peak_memory(name, n, v, dtype, backward, device):
+    if device == "cuda":
+        logits, ref_logits = _inputs(n, v, DTYPES[dtype], device, backward)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _run(VARIANTS[name], logits, ref_logits, backward)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    cmd = [sys.executable, __file__, "--memory-child", name, str(n), str(v), dtype, str(int(backward))]
+    # A fixed mmap threshold makes glibc return every freed large buffer to the OS, so
+    # the RSS high-water mark follows the live tensors instead of the allocator's cache.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="N=1024, V=32000, 3 repeats")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--memory-child", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_child:
+        name, n, v, dtype, backward = args.memory_child
+        measure_memory_here(name, int(n), int(v), dtype, bool(int(backward)))
+        return
+
+    n = 1024 if args.quick else 2048
+    vocabs = [32000] if args.quick else [32000, 128256]
+    repeats = args.repeats or (3 if args.quick else 5)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+    cpu = platform.processor() or "unknown"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    lines = [
+        "## exact_kl (benchmarks/bench_kl.py)",
+        "",
+        f"Machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+        + (f", CUDA: {torch.cuda.get_device_name()}" if "cuda" in devices else "")
+        + f". N = {n} positions, median of {repeats} interleaved runs. Memory: peak extra"
+        " bytes of one call (RSS growth in a fresh process on CPU), as a multiple of one"
+        " [N, V] float32 tensor (the gradient buffer included for fwd+bwd).",
+        "",
+        "| device | V | dtype | pass | exact_kl ms | naive ms | kl_div ms | naive / exact_kl | kl_div / exact_kl | exact_kl mem | naive mem | kl_div mem |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for device in devices:
+        for v in vocabs:
+            for dtype in DTYPES:
+                for backward in (False, True):
+                    t = time_variants(n, v, DTYPES[dtype], device, backward, repeats)
+                    unit = n * v * 4
+                    mem = {name: peak_memory(name, n, v, dtype, backward, device) / unit for name in VARIANTS}
+                    row = (
+                        f"| {device} | {v} | {dtype} | {'fwd+bwd' if backward else 'fwd'} | "
+                        f"{1e3 * t['exact_kl']:.1f} | {1e3 * t['naive']:.1f} | {1e3 * t['kl_div']:.1f} | "
+                        f"{t['naive'] / t['exact_kl']:.2f} | {t['kl_div'] / t['exact_kl']:.2f} | "
+                        f"{mem['exact_kl']:.2f} | {mem['naive']:.2f} | {mem['kl_div']:.2f} |"
+                    )
+                    print(row, flush=True)
+                    lines.append(row)
+    os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
+    path = os.path.join(os.path.dirname(__file__), "results", "kl.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,552 @@
+"""Tests for torchforge.losses: ratios, clipped surrogates, REINFORCE, CISPO, value loss."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+
+from tests.reference import aggregate_ref, ppo_metrics_ref, ppo_per_token_ref, value_per_token_ref
+from torchforge.batch import Batch
+from torchforge.errors import DTypeError, InvalidArgumentError, ShapeError
+from torchforge.kl import approx_kl
+from torchforge.losses import (
+    _aggregate_zeroed,
+    _ClippedSurrogate,
+    cispo_loss,
+    grpo_loss,
+    policy_ratio,
+    ppo_loss,
+    reinforce_loss,
+    value_loss,
+)
+from torchforge.reduce import AGGREGATION_MODES, Aggregation, aggregate
+
+SETTINGS = settings(max_examples=30, deadline=None)
+NAN = float("nan")
+
+
+def _data(B=4, T=6, seed=0, spread=0.3, p_mask=0.7, token_adv=False, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g) * 3
+    lp = old + spread * torch.randn(B, T, generator=g)
+    adv = torch.randn((B, T) if token_adv else (B,), generator=g)
+    mask = torch.rand(B, T, generator=g) < p_mask
+    return lp.to(dtype), old.to(dtype), adv, mask
+
+
+def _grad(fn, lp, *args, **kwargs):
+    lp = lp.clone().requires_grad_()
+    loss, metrics = fn(lp, *args, **kwargs)
+    loss.backward()
+    return loss.detach(), lp.grad, metrics
+
+
+def _all_losses():
+    """(name, call(lp, mask) -> (loss, metrics)) for every loss, on fixed side inputs."""
+    def make(B, T, seed=3):
+        g = torch.Generator().manual_seed(seed)
+        old = -torch.rand(B, T, generator=g)
+        ref = -torch.rand(B, T, generator=g)
+        adv = torch.randn(B, generator=g)
+        w = torch.rand(B, T, generator=g)
+        ret = torch.randn(B, T, generator=g)
+        return {
+            "ppo": lambda lp, m, **k: ppo_loss(lp, old, adv, m, w, dual_clip=3.0, **k),
+            "ppo_seq": lambda lp, m, **k: ppo_loss(lp, old, adv, m, ratio_level="sequence", **k),
+            "grpo": lambda lp, m, **k: grpo_loss(lp, old, adv, m, ref, kl_coef=0.1, **k),
+            "reinforce": lambda lp, m, **k: reinforce_loss(lp, adv, m, w, **k),
+            "cispo": lambda lp, m, **k: cispo_loss(lp, old, adv, m, clip_low=0.2, clip_high=0.3, **k),
+            "value": lambda lp, m, **k: value_loss(lp, old, ret, m, clip=0.1, **k),
+        }
+    return make
+
+
+LOSS_NAMES = ["ppo", "ppo_seq", "grpo", "reinforce", "cispo", "value"]
+
+
+# --- hand-derived cases -----------------------------------------------------------------
+
+def test_ppo_hand_derived_clip_and_metrics():
+    # Three tokens, A = (+1, -1, +1) per row... one row per token for clarity:
+    #   r = 1.5, A = +1 -> clipped to 1.2: loss -1.2, clip_high
+    #   r = 0.5, A = -1 -> max(0.5, 0.8) = 0.8: loss +0.8, clip_low
+    #   r = 1.1, A = +1 -> inside: loss -1.1
+    # token-mean: (-1.2 + 0.8 - 1.1) / 3 = -0.5
+    lp = torch.log(torch.tensor([[1.5], [0.5], [1.1]]))
+    old = torch.zeros(3, 1)
+    adv = torch.tensor([1.0, -1.0, 1.0])
+    mask = torch.ones(3, 1, dtype=torch.bool)
+    loss, grad, metrics = _grad(ppo_loss, lp, old, adv, mask)
+    assert loss.item() == pytest.approx(-0.5, abs=1e-6)
+    # Only the inside token gets gradient: d(-A r)/d lp = -A r / N = -1.1 / 3
+    torch.testing.assert_close(grad, torch.tensor([[0.0], [0.0], [-1.1 / 3]]), atol=1e-6, rtol=0)
+    assert metrics["clip_frac_high"].item() == pytest.approx(1 / 3)
+    assert metrics["clip_frac_low"].item() == pytest.approx(1 / 3)
+    assert metrics["ratio_min"].item() == pytest.approx(0.5, rel=1e-6)
+    assert metrics["ratio_max"].item() == pytest.approx(1.5, rel=1e-6)
+    assert metrics["ratio_mean"].item() == pytest.approx(3.1 / 3, rel=1e-6)
+    k3 = sum(r - 1 - math.log(r) for r in (1.5, 0.5, 1.1)) / 3
+    assert metrics["approx_kl"].item() == pytest.approx(k3, rel=1e-5)
+    for value in metrics.values():
+        assert value.dtype == torch.float32 and value.dim() == 0 and not value.requires_grad
+
+
+def test_asymmetric_clip_high():
+    # r = 1.25, A = 1: clip_high=0.28 leaves it inside (-1.25); the default 0.2 clips (-1.2).
+    lp = torch.log(torch.tensor([[1.25]])); old = torch.zeros(1, 1)
+    mask = torch.ones(1, 1, dtype=torch.bool); adv = torch.ones(1)
+    assert ppo_loss(lp, old, adv, mask, clip_high=0.28)[0].item() == pytest.approx(-1.25, rel=1e-6)
+    assert ppo_loss(lp, old, adv, mask)[0].item() == pytest.approx(-1.2, rel=1e-6)
+
+
+@given(seed=st.integers(0, 10_000), token_adv=st.booleans(),
+       mode=st.sampled_from(AGGREGATION_MODES))
+@SETTINGS
+def test_inside_clip_equals_unclipped_surrogate(seed, token_adv, mode):
+    lp, old, adv, mask = _data(seed=seed, spread=0.05, token_adv=token_adv)  # |log r| < 0.18 w.h.p.
+    lp = old + (lp - old).clamp(-0.15, 0.15)                                 # r in (0.86, 1.17)
+    loss, grad, metrics = _grad(ppo_loss, lp, old, adv, mask, aggregation=mode)
+    lp2 = lp.clone().requires_grad_()
+    a = adv if token_adv else adv[:, None].expand_as(lp)
+    surrogate = aggregate(-a * torch.exp(lp2 - old), mask, mode=mode)
+    surrogate.backward()
+    torch.testing.assert_close(loss, surrogate.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad, lp2.grad, atol=1e-6, rtol=1e-5)
+    assert metrics["clip_frac_low"] == 0 and metrics["clip_frac_high"] == 0
+
+
+def test_on_policy_gradient_is_masked_mean_of_minus_a_grad_log_pi():
+    # lp == old: ratio 1 everywhere, d loss / d lp_bt = -A_b / N on counted tokens.
+    lp, old, adv, mask = _data(seed=1)
+    _, grad, _ = _grad(ppo_loss, old, old, adv, mask)
+    expected = torch.where(mask, -adv[:, None] / mask.sum(), 0.0)
+    torch.testing.assert_close(grad, expected, atol=1e-7, rtol=1e-6)
+
+
+def test_clipped_tokens_get_zero_gradient():
+    # Row 0: A > 0 and r = 2 > 1.2; row 1: A < 0 and r = 0.5 < 0.8: both clipped.
+    # Row 2: A > 0, r = 0.5 (min picks the unclipped term) -> gradient -A r / N.
+    lp = torch.log(torch.tensor([[2.0], [0.5], [0.5]])); old = torch.zeros(3, 1)
+    adv = torch.tensor([1.0, -1.0, 2.0]); mask = torch.ones(3, 1, dtype=torch.bool)
+    _, grad, _ = _grad(ppo_loss, lp, old, adv, mask)
+    torch.testing.assert_close(grad, torch.tensor([[0.0], [0.0], [-2.0 * 0.5 / 3]]))
+
+
+def test_dual_clip_caps_loss_for_negative_advantages():
+    # A = -2, r = 10, c = 3: the ordinary clipped loss is max(20, 2 * 0.8) = 20;
+    # the dual clip caps it at -c A = 6, with zero gradient.
+    lp = torch.log(torch.tensor([[10.0, 2.0]])); old = torch.zeros(1, 2)
+    adv = torch.tensor([-2.0]); mask = torch.tensor([[True, False]])
+    loss, grad, metrics = _grad(ppo_loss, lp, old, adv, mask, dual_clip=3.0)
+    assert loss.item() == pytest.approx(6.0, rel=1e-6)
+    assert grad.abs().sum() == 0
+    assert metrics["dual_clip_frac"].item() == 1.0
+    assert ppo_loss(lp, old, adv, mask)[0].item() == pytest.approx(20.0, rel=1e-5)
+    # Below the cap (r = 2 < 3) nothing changes, and positive advantages are never capped.
+    lp2 = torch.log(torch.tensor([[2.0]]))
+    one = torch.ones(1, 1, dtype=torch.bool)
+    assert ppo_loss(lp2, old[:, :1], adv, one, dual_clip=3.0)[0].item() == pytest.approx(4.0, rel=1e-6)
+    assert ppo_loss(lp, old, -adv, mask, dual_clip=3.0)[0].item() == pytest.approx(-2.4, rel=1e-6)
+
+
+def test_gspo_sequence_ratio_and_gradient():
+    lp, old, adv, mask = _data(seed=5, spread=0.05)
+    mask[:, 0] = True
+    ratio = policy_ratio(lp, old, mask, level="sequence")
+    n = mask.sum(-1)
+    s = torch.exp(torch.where(mask, lp - old, 0.0).sum(-1) / n)
+    torch.testing.assert_close(ratio, s[:, None].expand_as(ratio))
+    # Gradient: the paper's sequence objective J = -(1/S) sum_b s_b A_b (all inside the
+    # clip here), s_b differentiated through the mean, equals ppo_loss's GSPO-token form
+    # with seq-mean-token-mean.
+    lp1 = lp.clone().requires_grad_()
+    s1 = torch.exp(torch.where(mask, lp1 - old, 0.0).sum(-1) / n)
+    (-(s1 * adv).mean()).backward()
+    loss, grad, metrics = _grad(ppo_loss, lp, old, adv, mask, ratio_level="sequence",
+                                aggregation="seq-mean-token-mean")
+    assert loss.item() == pytest.approx(-(s * adv).mean().item(), rel=1e-5)
+    torch.testing.assert_close(grad, lp1.grad, atol=1e-7, rtol=1e-5)
+    # policy_ratio's own gradient (GSPO-token): d ratio_bt / d lp_bt = s_b, nothing across tokens.
+    lp2 = lp.clone().requires_grad_()
+    policy_ratio(lp2, old, mask, level="sequence")[0, 0].backward()
+    expected = torch.zeros_like(lp); expected[0, 0] = s[0]
+    torch.testing.assert_close(lp2.grad, expected)
+    torch.testing.assert_close(metrics["ratio_mean"], (s * n).sum() / n.sum())
+
+
+def test_gspo_clips_whole_sequences():
+    # Row 0: geometric mean ratio exp(0.5) = 1.65 > 1.2 with A > 0: every token clipped,
+    # although token 1's own ratio (1.0) is inside.
+    lp = torch.tensor([[1.0, 0.0]]); old = torch.zeros(1, 2); mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, grad, metrics = _grad(ppo_loss, lp, old, torch.ones(1), mask, ratio_level="sequence")
+    assert loss.item() == pytest.approx(-1.2, rel=1e-6)
+    assert grad.abs().sum() == 0 and metrics["clip_frac_high"].item() == 1.0
+
+
+def test_cispo_gradient_on_clipped_tokens():
+    # r = 2 (clipped to 1.3) and r = 0.5 (clipped to 0.8), A = +1 / -1; CISPO keeps a
+    # gradient -clip(r) A / N through log pi on both, where PPO gives 0.
+    lp = torch.log(torch.tensor([[0.8], [0.1]])); old = torch.log(torch.tensor([[0.4], [0.2]]))
+    adv = torch.tensor([1.0, -1.0]); mask = torch.ones(2, 1, dtype=torch.bool)
+    loss, grad, metrics = _grad(cispo_loss, lp, old, adv, mask, clip_low=0.2, clip_high=0.3)
+    torch.testing.assert_close(grad, torch.tensor([[-1.3 / 2], [0.8 / 2]]))
+    expected = (-1.3 * math.log(0.8) + 0.8 * math.log(0.1)) / 2
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert metrics["clip_frac_high"].item() == 0.5 and metrics["clip_frac_low"].item() == 0.5
+    _, ppo_grad, _ = _grad(ppo_loss, lp, old, adv, mask, clip_high=0.3)
+    assert ppo_grad.abs().sum() == 0
+
+
+def test_reinforce_hand_derived():
+    # loss = -(2 log 0.5 + (-1) log 0.25) / 2; gradient -A / N
+    lp = torch.log(torch.tensor([[0.5], [0.25]])); adv = torch.tensor([2.0, -1.0])
+    mask = torch.ones(2, 1, dtype=torch.bool)
+    loss, grad, _ = _grad(reinforce_loss, lp, adv, mask)
+    assert loss.item() == pytest.approx(-(2 * math.log(0.5) - math.log(0.25)) / 2, rel=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[-1.0], [0.5]]))
+
+
+def test_value_loss_hand_derived():
+    # token 0: v = 1 from v_old = 0, R = 2, eps = 0.2: max((1-2)^2, (0.2-2)^2) = 3.24 -> 1.62,
+    #          clipped term active: zero gradient.
+    # token 1: v = 0.5, v_old = 0.4, R = 0: max(0.25, 0.25) -> 0.125, gradient (v - R) / N.
+    v = torch.tensor([[1.0, 0.5]]); v_old = torch.tensor([[0.0, 0.4]]); ret = torch.tensor([[2.0, 0.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, grad, metrics = _grad(value_loss, v, v_old, ret, mask)
+    assert loss.item() == pytest.approx((1.62 + 0.125) / 2, rel=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 0.25]]))
+    assert metrics["clip_frac"].item() == 0.5
+    loss, grad, _ = _grad(value_loss, v, v_old, ret, mask, clip=None)
+    assert loss.item() == pytest.approx((0.5 + 0.125) / 2, rel=1e-6)
+
+
+def test_grpo_adds_kl_aggregated_the_same_way():
+    lp, old, adv, mask = _data(seed=8)
+    ref = old - 0.2
+    for mode in AGGREGATION_MODES:
+        loss, _, metrics = _grad(grpo_loss, lp, old, adv, mask, ref, kl_coef=0.05, aggregation=mode)
+        pg, _ = ppo_loss(lp, old, adv, mask, aggregation=mode)
+        kl = approx_kl(lp, ref)
+        expected = pg + 0.05 * aggregate(kl, mask, mode=mode)
+        torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(metrics["kl"], aggregate(kl, mask))
+    # kl_coef = 0: no reference needed, equals ppo_loss.
+    loss, _ = grpo_loss(lp, old, adv, mask)
+    torch.testing.assert_close(loss, ppo_loss(lp, old, adv, mask)[0])
+
+
+# --- reference loops --------------------------------------------------------------------
+
+@given(B=st.integers(1, 5), T=st.integers(1, 7), seed=st.integers(0, 10_000),
+       mode=st.sampled_from(AGGREGATION_MODES), token_adv=st.booleans(),
+       clip_high=st.sampled_from([None, 0.28]), dual_clip=st.sampled_from([None, 2.0]),
+       level=st.sampled_from(["token", "sequence"]), with_weights=st.booleans())
+@SETTINGS
+def test_ppo_matches_reference(B, T, seed, mode, token_adv, clip_high, dual_clip, level, with_weights):
+    lp, old, adv, mask = _data(B, T, seed, spread=0.5, p_mask=0.6, token_adv=token_adv)
+    weights = torch.rand(B, T) if with_weights else None
+    loss, metrics = ppo_loss(lp, old, adv, mask, weights, clip_high=clip_high, dual_clip=dual_clip,
+                             ratio_level=level, aggregation=mode)
+    per_token = ppo_per_token_ref(lp, old, adv, mask, 0.2, clip_high, dual_clip, level, weights)
+    expected = aggregate_ref(torch.tensor(per_token, dtype=torch.float64), mask, mode)
+    assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    if level == "token" and weights is None:
+        ref = ppo_metrics_ref(lp, old, adv, mask, 0.2, clip_high, dual_clip)
+        assert set(metrics) == set(ref)
+        for key, value in ref.items():
+            assert metrics[key].item() == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+@given(B=st.integers(1, 5), T=st.integers(1, 7), seed=st.integers(0, 10_000),
+       mode=st.sampled_from(AGGREGATION_MODES), clip=st.sampled_from([None, 0.1, 0.5]))
+@SETTINGS
+def test_value_loss_matches_reference(B, T, seed, mode, clip):
+    g = torch.Generator().manual_seed(seed)
+    v, v_old, ret = torch.randn(3, B, T, generator=g)
+    mask = torch.rand(B, T, generator=g) < 0.6
+    loss, _ = value_loss(v, v_old, ret, mask, clip=clip, aggregation=mode)
+    expected = aggregate_ref(torch.tensor(value_per_token_ref(v, v_old, ret, mask, clip)), mask, mode)
+    assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+@given(seed=st.integers(0, 10_000), mode=st.sampled_from(AGGREGATION_MODES),
+       dp_size=st.sampled_from([1, 3]), norm_length=st.sampled_from([None, 11]))
+@SETTINGS
+def test_fast_aggregation_equals_aggregate(seed, mode, dp_size, norm_length):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(4, 5, generator=g) < 0.5
+    per_token = torch.where(mask, torch.randn(4, 5, generator=g), 0.0)
+    agg = Aggregation(mode, num_tokens=torch.tensor(17), num_sequences=7, dp_size=dp_size,
+                      norm_length=norm_length)
+    lengths = mask.float().sum(-1, keepdim=True)
+    count = lengths.long().sum()
+    torch.testing.assert_close(_aggregate_zeroed("f", per_token, lengths, count, agg), agg(per_token, mask))
+    local = Aggregation(mode, norm_length=norm_length)
+    torch.testing.assert_close(_aggregate_zeroed("f", per_token, lengths, count, local), local(per_token, mask))
+
+
+# --- properties shared by every loss ----------------------------------------------------
+
+@pytest.mark.parametrize("name", LOSS_NAMES)
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_per_rank_losses_with_global_counts_add_up(name, mode):
+    # Two ranks with half the rows each, global counts, dp_size=2: the mean of the
+    # per-rank losses (what DDP does to gradients) equals the one-process loss; so do
+    # the gradients.
+    B, T = 6, 5
+    calls = _all_losses()(B, T)
+    lp, _, _, mask = _data(B, T, seed=2)
+    mask[1] = False  # an empty row
+    full, full_grad, _ = _grad(calls[name], lp, mask, aggregation=mode)
+    tokens, sequences = mask.sum(), (mask.sum(-1) > 0).sum()
+    agg = Aggregation(mode, num_tokens=tokens, num_sequences=sequences, dp_size=2)
+    lp_ranks = lp.clone().requires_grad_()
+    total = 0
+    for rows in (slice(0, 3), slice(3, 6)):
+        # A rank's local batch: the other rank's rows masked out (they add nothing; the
+        # global counts, not the local ones, normalize).
+        sub_mask = torch.zeros_like(mask); sub_mask[rows] = mask[rows]
+        total = total + calls[name](lp_ranks, sub_mask, aggregation=agg)[0] / 2
+    total.backward()
+    torch.testing.assert_close(total.detach(), full, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lp_ranks.grad, full_grad, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", LOSS_NAMES)
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_empty_mask_gives_finite_zero_and_zero_gradient(name, mode):
+    lp = -torch.rand(3, 4)
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    loss, grad, metrics = _grad(_all_losses()(3, 4)[name], lp, mask, aggregation=mode)
+    assert loss.item() == 0 and torch.all(grad == 0)
+    for key, value in metrics.items():
+        assert torch.isfinite(value) and value.item() == 0, key
+
+
+@pytest.mark.parametrize("name", LOSS_NAMES)
+def test_nan_at_masked_positions_does_not_leak(name):
+    lp, _, _, mask = _data(4, 6, seed=4)
+    mask[2] = False
+    calls = _all_losses()(4, 6)
+    loss, grad, metrics = _grad(calls[name], lp, mask)
+    dirty = torch.where(mask, lp, NAN)
+    loss2, grad2, metrics2 = _grad(calls[name], dirty, mask)
+    torch.testing.assert_close(loss2, loss)
+    torch.testing.assert_close(grad2, grad)
+    for key in metrics:
+        torch.testing.assert_close(metrics2[key], metrics[key])
+
+
+def test_nan_in_side_inputs_at_masked_positions_does_not_leak():
+    lp, old, adv, mask = _data(4, 6, seed=6, token_adv=True)
+    mask[1] = False
+    ref, w = old - 0.1, torch.rand(4, 6)
+    dirty = lambda x: torch.where(mask, x, NAN)  # noqa: E731
+    for token_adv in (True, False):
+        a = adv if token_adv else adv[:, 0]
+        a_dirty = dirty(a) if token_adv else torch.where(mask.any(-1), a, NAN)
+        clean = _grad(grpo_loss, lp, old, a, mask, ref, w, kl_coef=0.1, ratio_level="sequence")
+        nan = _grad(grpo_loss, lp, dirty(old), a_dirty, mask, dirty(ref), dirty(w), kl_coef=0.1,
+                    ratio_level="sequence")
+        torch.testing.assert_close(nan[0], clean[0]); torch.testing.assert_close(nan[1], clean[1])
+        for key in clean[2]:
+            torch.testing.assert_close(nan[2][key], clean[2][key])
+    v = _grad(value_loss, lp, dirty(old), dirty(ref), mask)
+    torch.testing.assert_close(v[0], _grad(value_loss, lp, old, ref, mask)[0])
+    assert torch.isfinite(v[1]).all()
+    c = _grad(cispo_loss, lp, dirty(old), dirty(adv), mask, clip_low=0.2, clip_high=0.2)
+    assert torch.isfinite(c[0]) and torch.isfinite(c[1]).all()
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_masked_equals_sliced(mode):
+    # Masking the last 3 columns equals slicing them off, for every loss.
+    lp, old, adv, mask = _data(4, 8, seed=10, p_mask=1.0)
+    ref, w = old - 0.3, torch.rand(4, 8)
+    mask[:, 5:] = False
+    k = 5
+    pairs = [
+        (lambda n: ppo_loss(lp[:, :n], old[:, :n], adv, mask[:, :n], w[:, :n], dual_clip=2.0,
+                            ratio_level="sequence", aggregation=mode)),
+        (lambda n: grpo_loss(lp[:, :n], old[:, :n], adv, mask[:, :n], ref[:, :n], kl_coef=0.1,
+                             aggregation=mode)),
+        (lambda n: reinforce_loss(lp[:, :n], adv, mask[:, :n], w[:, :n], aggregation=mode)),
+        (lambda n: cispo_loss(lp[:, :n], old[:, :n], adv, mask[:, :n], clip_low=0.2, clip_high=0.2,
+                              aggregation=mode)),
+        (lambda n: value_loss(lp[:, :n], old[:, :n], ref[:, :n], mask[:, :n], aggregation=mode)),
+    ]
+    for call in pairs:
+        (a, ma), (b, mb) = call(8), call(k)
+        torch.testing.assert_close(a, b)
+        for key in ma:
+            torch.testing.assert_close(ma[key], mb[key], msg=key)
+
+
+def test_masked_equals_sliced_ppo_tensors():
+    lp, old, adv, mask = _data(4, 8, seed=10, p_mask=1.0)
+    mask[:, 5:] = False
+    a, ma = ppo_loss(lp, old, adv, mask, dual_clip=2.0)
+    b, mb = ppo_loss(lp[:, :5], old[:, :5], adv, mask[:, :5], dual_clip=2.0)
+    torch.testing.assert_close(a, b)
+    for key in ma:
+        torch.testing.assert_close(ma[key], mb[key])
+
+
+def test_gradcheck_clipped_surrogate_float64():
+    torch.manual_seed(0)
+    B, T = 3, 4
+    lp = (torch.randn(B, T, dtype=torch.float64) * 0.3).requires_grad_()
+    old = torch.zeros(B, T, dtype=torch.float64)
+    mask = torch.rand(B, T) < 0.7
+    adv = torch.tensor([[1.0], [-1.0], [0.5]], dtype=torch.float64)
+    lengths = mask.double().sum(-1, keepdim=True)
+    neg_scale = -adv * mask.double()
+    lower = torch.where(adv < 0, math.log(0.8), -20.0).double()
+    upper = torch.where(adv > 0, math.log(1.2), 20.0).double()
+    for sequence in (False, True):
+        def f(x):
+            return _ClippedSurrogate.apply(x, old, mask, lengths, neg_scale, lower, upper, sequence)[0]
+        if sequence:  # the GSPO-token gradient is that of ratio = sg(s) exp(lp - sg(lp)): check by hand
+            out = f(lp).sum(); out.backward()
+            s = torch.exp(torch.where(mask, lp, 0.0).sum(-1, keepdim=True) / lengths.clamp(min=1)).detach()
+            inside = (torch.log(s) >= lower) & (torch.log(s) <= upper)
+            torch.testing.assert_close(lp.grad, torch.where(inside, neg_scale * s, 0.0))
+        else:
+            assert torch.autograd.gradcheck(f, (lp,))
+
+
+def test_bf16_inputs_give_float32():
+    lp, old, adv, mask = _data(4, 6, seed=11)
+    calls = {
+        "ppo": lambda x, y: ppo_loss(x, y, adv, mask),
+        "grpo": lambda x, y: grpo_loss(x, y, adv, mask, y, kl_coef=0.1),
+        "cispo": lambda x, y: cispo_loss(x, y, adv, mask, clip_low=0.2, clip_high=0.2),
+        "reinforce": lambda x, y: reinforce_loss(x, adv, mask),
+        "value": lambda x, y: value_loss(x, y, y, mask),
+    }
+    for name, call in calls.items():
+        x = lp.bfloat16().requires_grad_()
+        loss, metrics = call(x, old.bfloat16())
+        loss.backward()
+        assert loss.dtype == torch.float32 and x.grad.dtype == torch.bfloat16, name
+        ref, _ = call(lp.bfloat16().float(), old.bfloat16().float())
+        torch.testing.assert_close(loss.detach(), ref, atol=1e-5, rtol=1e-5)
+        assert all(v.dtype == torch.float32 for v in metrics.values())
+
+
+def test_batch_and_tensordict_calling():
+    lp, old, adv, mask = _data(4, 6, seed=12)
+    batch = Batch(log_probs=lp, old_log_probs=old, advantages=adv, mask=mask, ref_log_probs=old,
+                  values=lp, old_values=old, returns=old, batch_size=[4])
+    expected = ppo_loss(lp, old, adv, mask, clip_high=0.3)[0]
+    torch.testing.assert_close(ppo_loss(batch, clip_high=0.3)[0], expected)
+    torch.testing.assert_close(ppo_loss(batch.to_tensordict(), clip_high=0.3)[0], expected)
+    torch.testing.assert_close(grpo_loss(batch, kl_coef=0.1)[0], grpo_loss(lp, old, adv, mask, old, kl_coef=0.1)[0])
+    torch.testing.assert_close(value_loss(batch)[0], value_loss(lp, old, old, mask)[0])
+    torch.testing.assert_close(reinforce_loss(batch)[0], reinforce_loss(lp, adv, mask)[0])
+    torch.testing.assert_close(policy_ratio(batch), policy_ratio(lp, old, mask))
+    td = TensorDict(log_probs=lp, old_log_probs=old, advantages=adv, mask=mask, batch_size=[4])
+    torch.testing.assert_close(cispo_loss(td, clip_low=0.2, clip_high=0.2)[0],
+                               cispo_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2)[0])
+
+
+def test_bad_inputs():
+    lp, old, adv, mask = _data(4, 6)
+    with pytest.raises(ShapeError, match=r"ppo_loss: advantages has shape \(6,\) but log_probs has shape \(4, 6\); expected \(4,\) or \(4, 6\)"):
+        ppo_loss(lp, old, torch.zeros(6), mask)
+    with pytest.raises(ShapeError, match=r"ppo_loss: old_log_probs has shape \(4, 5\) but log_probs"):
+        ppo_loss(lp, old[:, :5], adv, mask)
+    with pytest.raises(DTypeError, match="ppo_loss: mask has dtype torch.float32; expected torch.bool"):
+        ppo_loss(lp, old, adv, mask.float())
+    with pytest.raises(ShapeError, match=r"ppo_loss: weights has shape \(3,\)"):
+        ppo_loss(lp, old, adv, mask, torch.ones(3))
+    with pytest.raises(ShapeError, match=r"ppo_loss: log_probs has shape \(24,\); expected 2 dimensions"):
+        ppo_loss(lp.flatten(), old.flatten(), adv, mask.flatten())
+    with pytest.raises(InvalidArgumentError, match="ppo_loss: clip_low must be in \\[0, 1\\], got 1.5"):
+        ppo_loss(lp, old, adv, mask, clip_low=1.5)
+    with pytest.raises(InvalidArgumentError, match="ppo_loss: dual_clip must be > 1"):
+        ppo_loss(lp, old, adv, mask, dual_clip=0.5)
+    with pytest.raises(InvalidArgumentError, match="ppo_loss: ratio_level is 'seq'; expected one of 'token', 'sequence'"):
+        ppo_loss(lp, old, adv, mask, ratio_level="seq")
+    with pytest.raises(InvalidArgumentError, match="ppo_loss: aggregation mode is 'mean'"):
+        ppo_loss(lp, old, adv, mask, aggregation="mean")
+    with pytest.raises(InvalidArgumentError, match="ppo_loss: aggregation dp_size=2 needs num_tokens"):
+        ppo_loss(lp, old, adv, mask, aggregation=Aggregation(dp_size=2))
+    with pytest.raises(InvalidArgumentError, match="ppo_loss: aggregation num_tokens must be >= 0, got -1"):
+        ppo_loss(lp, old, adv, mask, aggregation=Aggregation(num_tokens=-1))
+    with pytest.raises(InvalidArgumentError, match="grpo_loss: kl_coef=0.1 needs ref_log_probs"):
+        grpo_loss(lp, old, adv, mask, kl_coef=0.1)
+    with pytest.raises(InvalidArgumentError, match="grpo_loss: kl_estimator is 'k4'"):
+        grpo_loss(lp, old, adv, mask, kl_estimator="k4")
+    with pytest.raises(DTypeError, match="reinforce_loss: advantages has dtype torch.int64"):
+        reinforce_loss(lp, torch.ones(4, dtype=torch.long), mask)
+    with pytest.raises(InvalidArgumentError, match="value_loss: clip must be >= 0, got -1"):
+        value_loss(lp, old, old, mask, clip=-1)
+    with pytest.raises(ShapeError, match=r"value_loss: returns has shape \(4, 5\) but values has shape \(4, 6\)"):
+        value_loss(lp, old, old[:, :5], mask)
+    with pytest.raises(TypeError):
+        cispo_loss(lp, old, adv, mask)  # clip_low and clip_high are required
+    with pytest.raises(InvalidArgumentError, match="policy_ratio: max_log_ratio must be > 0"):
+        policy_ratio(lp, old, mask, max_log_ratio=0)
+
+
+def test_extreme_log_ratios_stay_finite():
+    lp = torch.tensor([[60.0, -60.0]], requires_grad=True); old = torch.zeros(1, 2)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    for adv in (torch.tensor([1.0]), torch.tensor([-1.0])):
+        loss, metrics = ppo_loss(lp, old, adv, mask)
+        (g,) = torch.autograd.grad(loss, lp)
+        assert torch.isfinite(loss) and torch.isfinite(g).all()
+        assert all(torch.isfinite(v) for v in metrics.values())
+    assert torch.isfinite(policy_ratio(lp, old, mask)).all()
+
+
+# --- torch.compile ----------------------------------------------------------------------
+
+def test_every_loss_compiles_fullgraph_and_matches_eager():
+    # Dynamo with fullgraph=True raises on any graph break; aot_eager also traces the
+    # backward (incl. the custom autograd.Function) without inductor's code generation.
+    import torch._dynamo
+    torch._dynamo.reset()
+    lp, old, adv, mask = _data(4, 6, seed=13)
+    ref, w = old - 0.1, torch.rand(4, 6)
+    calls = {
+        "policy_ratio": lambda x: (policy_ratio(x, old, mask, level="sequence"), {}),
+        "ppo": lambda x: ppo_loss(x, old, adv, mask, w, dual_clip=3.0, clip_high=0.28),
+        "ppo_seq": lambda x: ppo_loss(x, old, adv, mask, ratio_level="sequence",
+                                      aggregation="seq-mean-token-mean"),
+        "grpo": lambda x: grpo_loss(x, old, adv, mask, ref, kl_coef=0.1,
+                                    aggregation=Aggregation("seq-mean-token-sum-norm", num_sequences=4)),
+        "reinforce": lambda x: reinforce_loss(x, adv, mask),
+        "cispo": lambda x: cispo_loss(x, old, adv, mask, clip_low=1.0, clip_high=0.2),
+        "value": lambda x: value_loss(x, old, ref, mask),
+    }
+    for name, call in calls.items():
+        compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+        x1, x2 = lp.clone().requires_grad_(), lp.clone().requires_grad_()
+        out1, m1 = call(x1)
+        out2, m2 = compiled(x2)
+        out1.sum().backward(); out2.sum().backward()
+        torch.testing.assert_close(out2, out1, msg=name)
+        torch.testing.assert_close(x2.grad, x1.grad, msg=name)
+        for key in m1:
+            torch.testing.assert_close(m2[key], m1[key], msg=f"{name} {key}")
+
+
+@pytest.mark.slow  # about 25 s of inductor compilation on 2 cores
+def test_ppo_loss_compiles_with_inductor():
+    import torch._dynamo
+    torch._dynamo.reset()
+    lp, old, adv, mask = _data(8, 16, seed=14)
+    fn = lambda x: ppo_loss(x, old, adv, mask, dual_clip=3.0)  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True)
+    x1, x2 = lp.clone().requires_grad_(), lp.clone().requires_grad_()
+    (l1, m1), (l2, m2) = fn(x1), compiled(x2)
+    l1.backward(); l2.backward()
+    torch.testing.assert_close(l2, l1)
+    torch.testing.assert_close(x2.grad, x1.grad)
+    for key in m1:
+        torch.testing.assert_close(m2[key], m1[key])
