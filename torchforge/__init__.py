@@ -1,8 +1,51 @@
 """torchforge: PyTorch-native reinforcement-learning primitives for post-training language models."""
 
+from torchforge.advantages import (
+    GROUP_SCALES,
+    discounted_returns,
+    gae,
+    group_advantages,
+    kl_penalized_rewards,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
 from torchforge.batch import Batch, batch_args, is_batch
+from torchforge.checkpoint import export_pretrained, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from torchforge.corrections import (
+    CORRECTION_LEVELS,
+    overlong_penalty,
+    ratio_mask,
+    truncated_importance_weights,
+    zero_std_groups,
+)
+from torchforge.distributed import (
+    SHARDING_STRATEGIES,
+    STRATEGIES,
+    DistributedConfig,
+    barrier,
+    generation_kwargs,
+    global_counts,
+    init_distributed,
+    is_main_process,
+    launch,
+    rank,
+    reduce_metric_sums,
+    shard,
+    sync_weights,
+    teardown_distributed,
+    unwrap_model,
+    world_size,
+)
 from torchforge.errors import DTypeError, InvalidArgumentError, MissingKeyError, ShapeError, TorchforgeError
-from torchforge.kl import KL_ESTIMATORS, approx_kl
+from torchforge.kl import KL_ESTIMATORS, approx_kl, exact_kl
+from torchforge.log_probs import (
+    FUSED_CHUNK_ELEMENTS,
+    LOGITS_CHUNK_ELEMENTS,
+    fused_token_log_probs,
+    token_entropy,
+    token_log_probs,
+)
+from torchforge.losses import RATIO_LEVELS, cispo_loss, grpo_loss, policy_ratio, ppo_loss, reinforce_loss, value_loss
 from torchforge.reduce import AGGREGATION_MODES, Aggregation, aggregate, masked_mean, masked_sum, masked_var, masked_whiten
 
 __version__ = "0.1.0"
@@ -18,6 +61,16 @@ __all__ = [
     "DTypeError",
     "InvalidArgumentError",
     "MissingKeyError",
+    # log_probs
+    "token_log_probs",
+    "fused_token_log_probs",
+    "token_entropy",
+    "LOGITS_CHUNK_ELEMENTS",
+    "FUSED_CHUNK_ELEMENTS",
+    # kl
+    "approx_kl",
+    "exact_kl",
+    "KL_ESTIMATORS",
     # reduce
     "masked_sum",
     "masked_mean",
@@ -26,7 +79,49 @@ __all__ = [
     "aggregate",
     "Aggregation",
     "AGGREGATION_MODES",
-    # kl
-    "approx_kl",
-    "KL_ESTIMATORS",
+    # advantages
+    "group_advantages",
+    "rloo_advantages",
+    "discounted_returns",
+    "reinforce_pp_advantages",
+    "kl_penalized_rewards",
+    "gae",
+    "GROUP_SCALES",
+    # losses
+    "policy_ratio",
+    "ppo_loss",
+    "grpo_loss",
+    "reinforce_loss",
+    "cispo_loss",
+    "value_loss",
+    "RATIO_LEVELS",
+    # corrections
+    "truncated_importance_weights",
+    "ratio_mask",
+    "overlong_penalty",
+    "zero_std_groups",
+    "CORRECTION_LEVELS",
+    # distributed
+    "DistributedConfig",
+    "shard",
+    "init_distributed",
+    "teardown_distributed",
+    "world_size",
+    "rank",
+    "is_main_process",
+    "barrier",
+    "global_counts",
+    "reduce_metric_sums",
+    "unwrap_model",
+    "generation_kwargs",
+    "launch",
+    "sync_weights",
+    "STRATEGIES",
+    "SHARDING_STRATEGIES",
+    # checkpoint
+    "save_checkpoint",
+    "load_checkpoint",
+    "export_pretrained",
+    "rng_state",
+    "set_rng_state",
 ]
