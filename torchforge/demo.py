@@ -1,0 +1,152 @@
+"""The embedded default task: a tiny Llama, a character tokenizer and a copy task, all local.
+
+``torchforge train`` with no arguments trains on this, so that a fresh machine with no
+model hub can run the whole pipeline in a few minutes on a CPU. Tests and notebooks use
+the same pieces.
+
+The task: the prompt is three digits and ``=`` (``"407="``); the completion should repeat
+them (``"407"``) and stop. The reward gives 1/3 per digit in the right position, so a
+randomly initialized model scores about 1/16 (one vocabulary entry in 16 per position)
+and a model that has learned the task scores 1.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Sequence
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from torchforge.rewards import RewardFunction
+
+__all__ = ["char_tokenizer", "tiny_llama", "copy_digits_dataset", "CopyDigitsReward"]
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+CHARACTERS = "0123456789="
+
+
+def char_tokenizer(characters: str = CHARACTERS, *, pad_token: bool = True) -> PreTrainedTokenizerFast:
+    """A character-level Hugging Face tokenizer built locally (no download).
+
+    Args:
+        characters: the characters of the vocabulary, one token each, after the special
+            tokens ``<pad> <bos> <eos> <unk>``.
+        pad_token: set ``<pad>`` as the pad token; False leaves ``pad_token`` None (as
+            many base-model tokenizers do), which the loop must handle.
+
+    Returns:
+        A ``PreTrainedTokenizerFast``; ``decode`` concatenates characters without spaces.
+
+    Example:
+        >>> tokenizer = char_tokenizer()
+        >>> tokenizer("407=")["input_ids"]
+        [8, 4, 11, 14]
+        >>> tokenizer.decode([8, 4, 11, 2], skip_special_tokens=True)
+        '407'
+    """
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *characters))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+        pad_token="<pad>" if pad_token else None,
+    )
+
+
+def tiny_llama(
+    tokenizer: Any,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """A small randomly initialized Llama whose vocabulary matches ``tokenizer``.
+
+    Args:
+        tokenizer: the tokenizer the model will read (its ``len`` is the vocabulary size;
+            its bos / eos / pad ids go into the config).
+        hidden_size: H.
+        num_layers: number of decoder blocks.
+        num_heads: attention heads (key/value heads: half of them, as in Llama 3's GQA).
+        seed: torch seed for the initialization.
+
+    Returns:
+        A ``LlamaForCausalLM`` in float32, in training mode.
+
+    Example:
+        >>> model = tiny_llama(char_tokenizer())
+        >>> model.config.vocab_size
+        15
+    """
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        max_position_embeddings=128,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.train()
+
+
+def copy_digits_dataset(num_prompts: int, *, num_digits: int = 3, seed: int = 0) -> list[dict[str, str]]:
+    """Prompts ``"ddd="`` with their ``target`` digits, drawn uniformly.
+
+    Args:
+        num_prompts: how many rows.
+        num_digits: digits per prompt.
+        seed: seed of the ``random.Random`` that draws the digits.
+
+    Returns:
+        A list of ``{"prompt": "407=", "target": "407"}`` dicts.
+
+    Example:
+        >>> copy_digits_dataset(2, seed=1)
+        [{'prompt': '291=', 'target': '291'}, {'prompt': '417=', 'target': '417'}]
+    """
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_prompts):
+        digits = "".join(rng.choice("0123456789") for _ in range(num_digits))
+        rows.append({"prompt": f"{digits}=", "target": digits})
+    return rows
+
+
+class CopyDigitsReward(RewardFunction):
+    """Per-position partial credit for copying the prompt's digits.
+
+    ``reward = (1 / n) * sum_i [completion[i] == digits[i]]`` over the ``n`` digits of the
+    prompt (the characters before ``=``); characters after the n-th are ignored.
+
+    Args:
+        None.
+
+    Returns:
+        A reward function: ``compute(completions, prompts)`` -> list of floats in [0, 1].
+
+    Example:
+        >>> CopyDigitsReward().compute(["407", "4x", ""], ["407=", "407=", "407="])
+        [1.0, 0.3333333333333333, 0.0]
+    """
+
+    name = "copy_digits"
+
+    def compute(self, completions: Sequence[str], prompts: Sequence[str]) -> list[float]:
+        rewards = []
+        for completion, prompt in zip(completions, prompts):
+            digits = prompt.split("=", 1)[0]
+            hits = sum(a == b for a, b in zip(completion, digits))
+            rewards.append(hits / max(len(digits), 1))
+        return rewards
