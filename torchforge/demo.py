@@ -19,9 +19,10 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from torchforge.config import RLConfig
 from torchforge.rewards import RewardFunction
 
-__all__ = ["char_tokenizer", "tiny_llama", "copy_digits_dataset", "CopyDigitsReward"]
+__all__ = ["char_tokenizer", "tiny_llama", "copy_digits_dataset", "CopyDigitsReward", "demo_config"]
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHARACTERS = "0123456789="
@@ -150,3 +151,29 @@ class CopyDigitsReward(RewardFunction):
             hits = sum(a == b for a, b in zip(completion, digits))
             rewards.append(hits / max(len(digits), 1))
         return rewards
+
+
+def demo_config(**overrides: Any) -> RLConfig:
+    """The settings ``torchforge train`` uses with no config: GRPO on the copy task, on a CPU.
+
+    16 prompts x 8 samples per step, completions of at most 4 tokens (3 digits and eos),
+    a learning rate suited to a 2-layer model trained from scratch, no KL (there is no
+    pretrained behaviour to stay close to), float32, 300 steps.
+
+    Args:
+        **overrides: fields of RLConfig to change.
+
+    Returns:
+        RLConfig.
+
+    Example:
+        >>> demo_config(max_steps=10).max_steps
+        10
+    """
+    values = dict(
+        algorithm="grpo", learning_rate=3e-3, num_generations=8, prompts_per_step=16,
+        max_completion_length=4, kl_coef=0.0, mixed_precision="fp32", gradient_checkpointing=False,
+        max_steps=300, save_steps=100, logging_steps=1,
+    )
+    values.update(overrides)
+    return RLConfig.from_dict(values)

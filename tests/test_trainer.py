@@ -1,0 +1,319 @@
+"""RLTrainer, RLConfig and the algorithms on the tiny local Llama (CPU, a few steps each)."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from torchforge.algorithms import GRPO, PPO, REINFORCE, Algorithm
+from torchforge.config import RLConfig
+from torchforge.demo import CopyDigitsReward, char_tokenizer, copy_digits_dataset, demo_config, tiny_llama
+from torchforge.distributed import DistributedConfig
+from torchforge.errors import InvalidArgumentError, TorchforgeError
+from torchforge.rewards import RewardFunction
+from torchforge.trainer import RLTrainer
+
+
+def small_config(tmp_path, **overrides):
+    values = dict(max_steps=2, num_generations=4, prompts_per_step=4, max_completion_length=4,
+                  kl_coef=0.05, progress_bar=False, output_dir=str(tmp_path / "run"), learning_rate=1e-2)
+    values.update(overrides)
+    return demo_config(**values)
+
+
+def _params(trainer):
+    return {n: p.detach().clone() for n, p in trainer.modules.named_parameters()}
+
+
+# --- smoke: every algorithm learns something and logs finite numbers ------------------------
+
+@pytest.mark.parametrize("algorithm, extra", [
+    ("grpo", {}),
+    ("grpo", dict(loss_aggregation="seq-mean-token-sum-norm", advantage_scale="none", num_iterations=2)),
+    ("ppo", dict(num_iterations=2, micro_batch_size=8)),
+    ("reinforce", dict(reinforce_baseline="rloo")),
+    ("reinforce", dict(reinforce_baseline="reinforce++")),
+    ("reinforce", dict(reinforce_baseline="reinforce++-baseline")),
+])
+def test_a_few_steps_change_the_parameters_and_log_finite_metrics(tmp_path, algorithm, extra):
+    trainer = RLTrainer(config=small_config(tmp_path, algorithm=algorithm, **extra))
+    before = _params(trainer)
+    summary = trainer.train()
+    after = _params(trainer)
+    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    assert any(n.startswith("policy.") for n in changed)
+    if algorithm == "ppo":
+        assert any(n.startswith("critic.") for n in changed)
+    assert len(trainer.history) == 2
+    for row in trainer.history:
+        for key, value in row.items():
+            assert math.isfinite(value), (key, value)
+    for key in ("reward", "reward_std", "rewards/copy_digits/mean", "frac_reward_zero_std", "kl", "entropy",
+                "completions/mean_length", "completions/max_length", "completions/clipped_ratio", "loss",
+                "grad_norm", "learning_rate", "tokens_per_second", "step_time"):
+        assert key in trainer.history[0], key
+    assert summary["steps"] == 2 and summary["final_model"].joinpath("config.json").exists()
+    assert summary["plot"].exists() and summary["metrics"].exists()
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_the_first_ratio_is_exactly_one(tmp_path, algorithm):
+    # GRPO takes old_log_probs from the training forward itself; PPO recomputes them with a
+    # no-grad forward over the same micro-batches: either way the first ratio is exactly 1.
+    trainer = RLTrainer(config=small_config(tmp_path, algorithm=algorithm, max_steps=1, micro_batch_size=8))
+    metrics = trainer.train_step(0)
+    assert metrics["ratio_min"] == 1.0 and metrics["ratio_max"] == 1.0
+    assert metrics["clip_frac_low"] == 0.0 and metrics["clip_frac_high"] == 0.0
+
+
+def test_micro_batch_size_does_not_change_the_update(tmp_path, monkeypatch):
+    import torchforge.trainer as trainer_module
+
+    grads = []
+
+    def recording_step(parameters, *args, **kwargs):
+        grads.append([p.grad.clone() for p in parameters])
+        return optimizer_step(parameters, *args, **kwargs)
+
+    optimizer_step = trainer_module.optimizer_step
+    monkeypatch.setattr(trainer_module, "optimizer_step", recording_step)
+    losses = []
+    for micro in (None, 4, 8):
+        trainer = RLTrainer(config=small_config(tmp_path / str(micro), max_steps=1, micro_batch_size=micro,
+                                                loss_aggregation="seq-mean-token-mean"))
+        losses.append(trainer.train_step(0)["loss"])
+    for loss, step_grads in zip(losses[1:], grads[1:]):
+        assert loss == pytest.approx(losses[0], rel=1e-5, abs=1e-7)
+        for got, expected in zip(step_grads, grads[0]):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-7)
+
+
+def test_resume_gives_the_same_losses_and_rewards_as_an_uninterrupted_run(tmp_path):
+    full = RLTrainer(config=small_config(tmp_path / "full", max_steps=4))
+    full.train()
+    first = RLTrainer(config=small_config(tmp_path / "cut", max_steps=2))
+    first.train()
+    resumed = RLTrainer(config=small_config(tmp_path / "cut", max_steps=4, resume=True))
+    resumed.train()
+    assert [h["step"] for h in resumed.history] == [3, 4]
+    for expected, got in zip(full.history[2:], resumed.history):
+        for key in ("reward", "loss", "kl", "entropy", "grad_norm"):
+            assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+    for (name, a), b in zip(full.modules.named_parameters(), resumed.modules.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_resume_without_a_checkpoint_warns_and_starts_at_zero(tmp_path):
+    trainer = RLTrainer(config=small_config(tmp_path, max_steps=1, resume=True))
+    with pytest.warns(UserWarning, match="holds no checkpoint; starting from step 0"):
+        trainer.train()
+    assert trainer.step == 1
+
+
+def test_the_final_model_loads_with_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trainer = RLTrainer(config=small_config(tmp_path, max_steps=1, kl_coef=0.0))
+    summary = trainer.train()
+    loaded = AutoModelForCausalLM.from_pretrained(summary["final_model"])
+    AutoTokenizer.from_pretrained(summary["final_model"])
+    ids = torch.tensor([[5, 6, 7, 14]])
+    torch.testing.assert_close(loaded(ids).logits, trainer.model(ids).logits)
+
+
+# --- the data ------------------------------------------------------------------------------
+
+def test_dataset_columns_reach_trl_style_reward_functions(tmp_path):
+    seen = []
+
+    def exact_copy(prompts, completions, target, **kwargs):
+        seen.extend(target)
+        return [float(c == t) for c, t in zip(completions, target)]
+
+    tokenizer = char_tokenizer()
+    trainer = RLTrainer(model=tiny_llama(tokenizer), tokenizer=tokenizer, config=small_config(tmp_path, max_steps=1),
+                        reward_functions=[exact_copy, CopyDigitsReward()], train_dataset=copy_digits_dataset(8))
+    metrics = trainer.train_step(0)
+    assert len(seen) == 16 and all(len(t) == 3 for t in seen)
+    assert "rewards/exact_copy/mean" in metrics and "rewards/copy_digits/mean" in metrics
+
+
+def test_chat_prompts_use_the_chat_template(tmp_path):
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    data = [{"prompt": [{"role": "user", "content": "123"}]}] * 4
+    seen = []
+
+    class Spy(RewardFunction):
+        def compute(self, completions, prompts):
+            seen.extend(prompts)
+            return [0.0] * len(completions)
+
+    trainer = RLTrainer(model=tiny_llama(tokenizer), tokenizer=tokenizer, config=small_config(tmp_path),
+                        reward_functions=[Spy()], train_dataset=data)
+    trainer.train_step(0)
+    assert set(seen) == {"123="}
+    tokenizer.chat_template = None
+    with pytest.raises(InvalidArgumentError, match="a prompt is a list of chat messages but the tokenizer has no chat_template"):
+        trainer.train_step(1)
+
+
+def test_data_order_is_a_seeded_permutation_per_epoch(tmp_path):
+    tokenizer = char_tokenizer()
+    data = copy_digits_dataset(8, seed=3)
+    trainer = RLTrainer(model=tiny_llama(tokenizer), tokenizer=tokenizer, config=small_config(tmp_path),
+                        reward_functions=[CopyDigitsReward()], train_dataset=data)
+    epoch = [row for step in range(2) for row in trainer._rows(step)[0]]
+    assert sorted(r["prompt"] for r in epoch) == sorted(r["prompt"] for r in data)
+    assert trainer._rows(2)[1] == [8, 9, 10, 11]  # the stream continues into the next epoch
+
+
+# --- the product card ----------------------------------------------------------------------
+
+def test_card_quick_start_runs_as_written(tmp_path):
+    # SEED.md's quick start with the tiny local model in place of Llama-3.1-8B
+    tokenizer = char_tokenizer()
+    model = tiny_llama(tokenizer)
+    dataset = [{"prompt": p} for p in ["12=", "345=", "6=", "78="]] * 2
+
+    class FormatReward(RewardFunction):
+        def compute(self, completions, prompts):
+            rewards = []
+            for c in completions:
+                if "<answer>" in c and "</answer>" in c:
+                    rewards.append(1.0)
+                else:
+                    rewards.append(-0.5)
+            return rewards
+
+    config = RLConfig(
+        algorithm="grpo",
+        learning_rate=1e-6,
+        num_generations=4,
+        max_completion_length=512,
+        output_dir=str(tmp_path / "torchforge-output"),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = RLTrainer(
+            model=model,
+            tokenizer=tokenizer,
+            config=config,
+            reward_functions=[FormatReward()],
+            train_dataset=dataset,
+        )
+        trainer.train()
+    assert any("mixed_precision='bf16' needs a GPU" in str(w.message) for w in caught)
+    assert trainer.step == 1 and trainer.history[0]["reward"] == -0.5
+    assert trainer.history[0]["frac_reward_zero_std"] == 1.0  # every group all-equal: advantages 0
+
+
+def test_card_custom_algorithm_runs_as_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    class CustomAlgorithm(Algorithm):
+        def compute_loss(self, batch):
+            advantages = self.compute_advantages(batch.rewards)
+            calls.append((batch.batch_size[0], self.mask.shape, advantages.shape))
+            return self.policy_gradient_loss(batch.log_probs, advantages)
+
+    with pytest.warns(UserWarning, match=r"DistributedConfig\(num_gpus=4\) but this run has 1 process"):
+        trainer = RLTrainer(
+            algorithm=CustomAlgorithm(),
+            distributed_config=DistributedConfig(
+                strategy="fsdp",
+                num_gpus=4,
+            )
+        )
+    trainer.config.max_completion_length = 8  # one short step, to show the loss path works
+    metrics = trainer.train_step(0)
+    B = trainer.config.prompts_per_step * trainer.config.num_generations
+    assert calls == [(B, torch.Size([B, calls[0][1][1]]), torch.Size([B]))]
+    assert math.isfinite(metrics["loss"]) and metrics["ratio_max"] == 1.0
+
+
+def test_custom_algorithm_matches_grpo_without_kl(tmp_path):
+    class CustomAlgorithm(Algorithm):
+        def compute_loss(self, batch):
+            advantages = self.compute_advantages(batch.rewards)
+            return self.policy_gradient_loss(batch.log_probs, advantages)
+
+    losses = []
+    for algorithm in (CustomAlgorithm(), GRPO()):
+        trainer = RLTrainer(algorithm=algorithm, config=small_config(tmp_path, max_steps=1, kl_coef=0.0))
+        losses.append((trainer.train_step(0)["loss"], _params(trainer)))
+    assert losses[0][0] == pytest.approx(losses[1][0], abs=1e-7)
+    for name, value in losses[0][1].items():
+        torch.testing.assert_close(value, losses[1][1][name], msg=name)
+
+
+def test_algorithm_helpers_outside_compute_loss_raise():
+    with pytest.raises(TorchforgeError, match=r"Algorithm.mask is only available inside compute_loss"):
+        Algorithm().mask
+
+
+def test_compute_loss_must_return_a_scalar(tmp_path):
+    class Bad(Algorithm):
+        def compute_loss(self, batch):
+            return batch.log_probs
+
+    trainer = RLTrainer(algorithm=Bad(), config=small_config(tmp_path))
+    with pytest.raises(TorchforgeError, match=r"Bad.compute_loss returned Tensor of shape \(16, \d+\); expected a scalar tensor"):
+        trainer.train_step(0)
+
+
+# --- configuration errors ------------------------------------------------------------------
+
+@pytest.mark.parametrize("values, message", [
+    (dict(algorithm="dpo"), r"RLConfig: algorithm='dpo'; expected one of \['grpo', 'ppo', 'reinforce'\]"),
+    (dict(learning_rate=0), r"RLConfig: learning_rate=0; expected a number in \(0, inf\]"),
+    (dict(num_generations=1), r"algorithm='grpo' with num_generations=1; expected >= 2"),
+    (dict(micro_batch_size=6), r"micro_batch_size=6 is not a multiple of num_generations=4"),
+    (dict(algorithm="reinforce", num_iterations=2), r"REINFORCE is on-policy"),
+    (dict(algorithm="reinforce", num_generations=1), r"reinforce_baseline='rloo' with num_generations=1"),
+    (dict(loss_aggregation="mean"), r"loss_aggregation='mean'; expected one of"),
+    (dict(dual_clip=1.0), r"dual_clip=1.0; expected None or a number > 1"),
+    (dict(top_p=1.5), r"top_p=1.5; expected a number in \(0, 1\]"),
+    (dict(max_steps=0), r"max_steps=0; expected an int >= 1 or None"),
+    (dict(mixed_precision="fp16"), r"mixed_precision='fp16'; expected one of \['bf16', 'fp32', None\]"),
+])
+def test_invalid_configs_are_rejected_up_front(values, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        RLConfig(**values)
+
+
+def test_config_from_dict_rejects_unknown_keys():
+    with pytest.raises(InvalidArgumentError, match=r"RLConfig: unknown field\(s\) \['lr'\]"):
+        RLConfig.from_dict({"lr": 1e-3})
+    assert RLConfig.from_dict(RLConfig(kl_coef=0.0).to_dict()) == RLConfig(kl_coef=0.0)
+
+
+def test_trainer_argument_errors():
+    tokenizer = char_tokenizer()
+    with pytest.raises(InvalidArgumentError, match="RLTrainer: tokenizer is None"):
+        RLTrainer(model=tiny_llama(tokenizer), reward_functions=[CopyDigitsReward()], train_dataset=[{"prompt": "1="}])
+    with pytest.raises(InvalidArgumentError, match=r"train_dataset rows have fields \['question'\]; expected a 'prompt' field"):
+        RLTrainer(model=tiny_llama(tokenizer), tokenizer=tokenizer, reward_functions=[CopyDigitsReward()],
+                  train_dataset=[{"question": "1="}])
+    with pytest.raises(InvalidArgumentError, match="reward_functions is empty"):
+        RLTrainer(model=tiny_llama(tokenizer), tokenizer=tokenizer, reward_functions=[], train_dataset=[{"prompt": "1="}])
+    with pytest.raises(InvalidArgumentError, match="config is a dict; expected an RLConfig"):
+        RLTrainer(config={"max_steps": 1})
+
+
+@pytest.mark.parametrize("algorithm, cls", [("grpo", GRPO), ("ppo", PPO), ("reinforce", REINFORCE)])
+def test_algorithm_by_name(tmp_path, algorithm, cls):
+    trainer = RLTrainer(config=small_config(tmp_path, algorithm=algorithm))
+    assert type(trainer.algorithm) is cls
+    assert (trainer.ref_model is not None) == (trainer.config.kl_coef > 0)
+
+
+# --- learning (slow) -----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_grpo_learns_the_default_task(tmp_path):
+    trainer = RLTrainer(config=demo_config(output_dir=str(tmp_path / "run"), progress_bar=False))
+    summary = trainer.train()
+    assert summary["reward_last"] - summary["reward_first"] >= 0.3, summary

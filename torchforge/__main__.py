@@ -1,0 +1,7 @@
+"""``python -m torchforge ...`` and ``torchrun -m torchforge ...``: the ``torchforge`` command."""
+
+import sys
+
+from torchforge.cli import main
+
+sys.exit(main())

@@ -1,0 +1,432 @@
+"""``Algorithm``: the algorithm side of a run, as a few overridable hooks; GRPO, PPO, REINFORCE.
+
+The trainer owns the infrastructure (sampling, log-probs, micro-batches, exact aggregation
+across accumulation steps and ranks, the optimizer); an algorithm says how advantages
+and the loss are computed. The hooks are called in this order for each sampled batch:
+
+1. ``prepare(batch)`` once, on this process's whole batch (whole groups): advantages,
+   values, returns — anything that needs the batch, not a micro-batch.
+2. ``compute_loss(micro_batch)`` for every micro-batch of every pass, with
+   ``micro_batch.log_probs`` (carrying grad), ``old_log_probs``, ``rewards``,
+   ``advantages`` (when ``prepare`` set them), ``ref_log_probs`` (when a reference is
+   used) and ``mask``. It returns a loss tensor, or ``(loss, metrics)``.
+
+Inside ``compute_loss`` the helpers know the micro-batch being processed, so that the
+product card's two-line custom algorithm works as written::
+
+    class CustomAlgorithm(Algorithm):
+        def compute_loss(self, batch):
+            advantages = self.compute_advantages(batch.rewards)
+            return self.policy_gradient_loss(batch.log_probs, advantages)
+
+``self.mask``, ``self.group_size``, ``self.aggregation`` (the mode with the global counts
+of the step) and ``self.batch`` are those of the current micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from torchforge.advantages import (
+    gae,
+    group_advantages,
+    kl_penalized_rewards,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+from torchforge.batch import Batch
+from torchforge.config import RLConfig
+from torchforge.errors import TorchforgeError
+from torchforge.kl import approx_kl
+from torchforge.loop import ValueModel, micro_batches
+from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss, value_loss
+from torchforge.reduce import Aggregation, masked_whiten
+
+__all__ = ["Algorithm", "GRPO", "PPO", "REINFORCE", "algorithm_from_name"]
+
+
+class Algorithm:
+    """Base class: GRPO-style group advantages and the clipped policy-gradient loss.
+
+    Override ``compute_loss`` (and optionally ``prepare``, ``compute_advantages``,
+    ``policy_gradient_loss``, ``needs_reference``, ``modules``). Hyperparameters come
+    from the trainer's :class:`RLConfig` (``self.config``).
+
+    Args:
+        None.
+
+    Returns:
+        An algorithm to pass as ``RLTrainer(algorithm=...)``.
+
+    Example:
+        >>> class CustomAlgorithm(Algorithm):
+        ...     def compute_loss(self, batch):
+        ...         advantages = self.compute_advantages(batch.rewards)
+        ...         return self.policy_gradient_loss(batch.log_probs, advantages)
+        >>> CustomAlgorithm().name
+        'CustomAlgorithm'
+    """
+
+    #: compute ``old_log_probs`` with a no-grad forward before ``prepare`` (otherwise the
+    #: first pass takes them from its own forward, detached: exactly the same numbers)
+    needs_old_log_probs_in_prepare: bool = False
+
+    def __init__(self) -> None:
+        self.config = RLConfig()
+        self._batch: Batch | None = None
+        self._aggregation: Aggregation | None = None
+        self._metrics: dict[str, torch.Tensor] = {}
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def setup(self, config: RLConfig, policy: nn.Module) -> None:
+        """Called once by the trainer before training, with its config and (unwrapped) policy.
+
+        Args:
+            config: the run's config.
+            policy: the policy model, before sharding (build extra modules from it here).
+
+        Returns:
+            None.
+        """
+        self.config = config
+
+    def needs_reference(self) -> bool:
+        """Whether the trainer must compute ``ref_log_probs`` (a frozen copy of the policy).
+
+        Args:
+            None.
+
+        Returns:
+            bool; the base class needs none.
+        """
+        return False
+
+    def modules(self) -> dict[str, nn.Module]:
+        """Extra trainable modules (a critic): sharded, optimized and checkpointed with the policy.
+
+        Args:
+            None.
+
+        Returns:
+            name -> module; none in the base class.
+        """
+        return {}
+
+    # --- the micro-batch being processed ---------------------------------------------------
+
+    @contextlib.contextmanager
+    def bind(self, batch: Batch, aggregation: Aggregation) -> Iterator[None]:
+        """Make ``batch`` and ``aggregation`` the current ones while the body runs (trainer use)."""
+        self._batch, self._aggregation, self._metrics = batch, aggregation, {}
+        try:
+            yield
+        finally:
+            self._batch, self._aggregation = None, None
+
+    def _current(self, what: str):
+        if self._batch is None:
+            raise TorchforgeError(
+                f"{self.name}.{what} is only available inside compute_loss (while the trainer "
+                "processes a batch)"
+            )
+        return self._batch
+
+    @property
+    def batch(self) -> Batch:
+        """The micro-batch being processed."""
+        return self._current("batch")
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, T] bool mask of the micro-batch being processed."""
+        return self._current("mask").mask
+
+    @property
+    def group_size(self) -> int:
+        """G, completions per prompt."""
+        return self.config.num_generations
+
+    @property
+    def aggregation(self) -> Aggregation:
+        """The loss aggregation of this optimizer step, with its global counts."""
+        self._current("aggregation")
+        return self._aggregation
+
+    def log(self, **metrics: torch.Tensor | float) -> None:
+        """Record scalar metrics of this micro-batch (masked means); the trainer logs them.
+
+        Args:
+            **metrics: name -> scalar.
+
+        Returns:
+            None.
+        """
+        for key, value in metrics.items():
+            self._metrics[key] = torch.as_tensor(value).detach().float()
+
+    def log_kl(self, batch: Batch) -> None:
+        """Record ``kl``, the masked mean k3 estimate of KL(pi || ref), when reference log-probs exist.
+
+        Args:
+            batch: the micro-batch (with ``log_probs``, ``ref_log_probs`` and ``mask``).
+
+        Returns:
+            None.
+        """
+        if batch.ref_log_probs is not None:
+            kl = approx_kl(batch.log_probs.detach(), batch.ref_log_probs, estimator="k3")
+            self.log(kl=(kl * batch.mask).sum() / batch.mask.sum().clamp(min=1))
+
+    def pop_metrics(self) -> dict[str, torch.Tensor]:
+        """The metrics recorded since the last call (trainer use)."""
+        metrics, self._metrics = self._metrics, {}
+        return metrics
+
+    # --- hooks -------------------------------------------------------------------------------
+
+    def prepare(self, batch: Batch) -> None:
+        """Fill per-batch quantities (e.g. ``batch.advantages``) before the passes; no-op here.
+
+        Args:
+            batch: this process's whole batch (whole groups), modified in place.
+
+        Returns:
+            None.
+        """
+
+    def compute_advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Group-normalized advantages of ``rewards`` (groups of ``self.group_size``).
+
+        ``A = (r - mean_group) / (std_group + eps)`` with ``config.advantage_scale``.
+
+        Args:
+            rewards: [B] rewards of whole groups.
+
+        Returns:
+            [B] float32 advantages.
+        """
+        return group_advantages(rewards, group_size=self.group_size, scale=self.config.advantage_scale)
+
+    def policy_gradient_loss(self, log_probs: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        """The clipped policy-gradient loss of the current micro-batch, aggregated exactly.
+
+        ``ppo_loss(log_probs, batch.old_log_probs, advantages, mask)`` with the config's
+        clip range and the step's aggregation; on-policy its gradient is the REINFORCE
+        gradient ``-A grad log pi``.
+
+        Args:
+            log_probs: [B, T] log-probs (carrying grad).
+            advantages: [B] or [B, T].
+
+        Returns:
+            The scalar loss; its metrics are recorded with :meth:`log`.
+        """
+        cfg = self.config
+        loss, metrics = ppo_loss(
+            log_probs, self.batch.old_log_probs, advantages, self.mask, clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, aggregation=self.aggregation,
+        )
+        self.log(**metrics)
+        return loss
+
+    def compute_loss(self, batch: Batch) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one micro-batch: here, the policy-gradient loss of group advantages.
+
+        Args:
+            batch: the micro-batch (see the module docstring for its fields).
+
+        Returns:
+            A scalar loss, or ``(loss, metrics)``.
+        """
+        advantages = batch.advantages if batch.advantages is not None else self.compute_advantages(batch.rewards)
+        return self.policy_gradient_loss(batch.log_probs, advantages)
+
+
+class GRPO(Algorithm):
+    """Group Relative Policy Optimization: group-normalized advantages, clipped loss, KL in the loss.
+
+    ``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)`` per sequence, then
+    ``grpo_loss`` (the clipped surrogate plus ``kl_coef * k3``), aggregated with
+    ``config.loss_aggregation``. ``advantage_scale="none"`` with
+    ``loss_aggregation="seq-mean-token-sum-norm"`` is Dr. GRPO; ``clip_high=0.28`` with
+    ``token-mean`` is DAPO's loss.
+
+    Args:
+        None.
+
+    Returns:
+        The algorithm.
+
+    Example:
+        >>> GRPO().name
+        'GRPO'
+
+    References:
+        DeepSeekMath, https://arxiv.org/abs/2402.03300
+    """
+
+    def needs_reference(self) -> bool:
+        return self.config.kl_coef > 0
+
+    def prepare(self, batch: Batch) -> None:
+        batch.advantages = self.compute_advantages(batch.rewards)
+
+    def compute_loss(self, batch: Batch):
+        cfg = self.config
+        return grpo_loss(
+            batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask,
+            batch.ref_log_probs if cfg.kl_coef > 0 else None,
+            kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, aggregation=self.aggregation,
+        )
+
+
+class PPO(Algorithm):
+    """PPO with a learned critic: KL in the reward, GAE, clipped policy and value losses.
+
+    Token rewards ``r_t = score * [t = last] - kl_coef * (old_log_probs - ref_log_probs)_t``,
+    values ``V_t`` from a critic (the policy's decoder, copied, with a scalar head),
+    ``(A, R) = gae(r, V, mask, gamma, lam)``, ``A`` whitened over the batch, then
+    ``loss = ppo_loss(A) + value_coef * value_loss(V, V_old, R, clip=value_clip)``.
+
+    Args:
+        None.
+
+    Returns:
+        The algorithm.
+
+    Example:
+        >>> PPO().needs_old_log_probs_in_prepare
+        True
+
+    References:
+        PPO, https://arxiv.org/abs/1707.06347; InstructGPT, https://arxiv.org/abs/2203.02155;
+        GAE, https://arxiv.org/abs/1506.02438
+
+    Note:
+        A NaN reward ("not applicable") counts as 0 here: GAE has no way to leave a
+        sequence out of the critic's targets.
+    """
+
+    needs_old_log_probs_in_prepare = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.critic: ValueModel | None = None
+
+    def setup(self, config: RLConfig, policy: nn.Module) -> None:
+        super().setup(config, policy)
+        self.critic = ValueModel(policy)
+
+    def needs_reference(self) -> bool:
+        return self.config.kl_coef > 0
+
+    def modules(self) -> dict[str, nn.Module]:
+        return {"critic": self.critic}
+
+    @torch.no_grad()
+    def prepare(self, batch: Batch) -> None:
+        cfg = self.config
+        size = cfg.micro_batch_size or batch.batch_size[0]
+        batch.old_values = torch.cat([self.critic(part) for part in micro_batches(batch, size)])
+        rewards = batch.rewards.nan_to_num(0.0)
+        ref = batch.ref_log_probs if cfg.kl_coef > 0 else batch.old_log_probs
+        token_rewards = kl_penalized_rewards(rewards, batch.old_log_probs, ref, batch.mask, kl_coef=cfg.kl_coef)
+        advantages, batch.returns = gae(token_rewards, batch.old_values, batch.mask, gamma=cfg.gamma, lam=cfg.lam)
+        batch.advantages = masked_whiten(advantages, batch.mask)
+
+    def compute_loss(self, batch: Batch):
+        cfg = self.config
+        pg_loss, metrics = ppo_loss(
+            batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask, clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, aggregation=self.aggregation,
+        )
+        vf_loss, vf_metrics = value_loss(self.critic(batch), batch.old_values, batch.returns, batch.mask,
+                                         clip=cfg.value_clip, aggregation=self.aggregation)
+        metrics.update(pg_loss=pg_loss.detach(), value_loss=vf_loss.detach(),
+                       value_clip_frac=vf_metrics["clip_frac"])
+        self.log_kl(batch)
+        return pg_loss + cfg.value_coef * vf_loss, metrics
+
+
+class REINFORCE(Algorithm):
+    """REINFORCE with a leave-one-out (RLOO) or REINFORCE++ baseline: ``loss = -A log pi``.
+
+    ``reinforce_baseline="rloo"``: ``A_i = r_i - mean_{j != i} r_j`` per sequence, and a
+    ``kl_coef * k3`` term in the loss as GRPO. ``"reinforce++"``: token returns of
+    ``score - kl_coef * k1`` (KL in the reward), whitened over the batch;
+    ``"reinforce++-baseline"``: the group mean subtracted from the scores first.
+
+    Args:
+        None.
+
+    Returns:
+        The algorithm.
+
+    Example:
+        >>> REINFORCE().name
+        'REINFORCE'
+
+    References:
+        RLOO, https://arxiv.org/abs/2402.14740; REINFORCE++, https://arxiv.org/abs/2501.03262
+    """
+
+    def needs_reference(self) -> bool:
+        return self.config.kl_coef > 0
+
+    @property
+    def _kl_in_reward(self) -> bool:
+        return self.config.reinforce_baseline != "rloo" and self.config.kl_coef > 0
+
+    @property
+    def needs_old_log_probs_in_prepare(self) -> bool:  # the k1 reward needs them
+        return self._kl_in_reward
+
+    def prepare(self, batch: Batch) -> None:
+        cfg = self.config
+        if cfg.reinforce_baseline == "rloo":
+            batch.advantages = rloo_advantages(batch.rewards, group_size=self.group_size)
+            return
+        scores = batch.rewards
+        if cfg.reinforce_baseline == "reinforce++-baseline":
+            scores = group_advantages(scores, group_size=self.group_size, scale="none")
+        scores = scores.nan_to_num(0.0)
+        if self._kl_in_reward:
+            scores = kl_penalized_rewards(scores, batch.old_log_probs, batch.ref_log_probs, batch.mask,
+                                          kl_coef=cfg.kl_coef)
+        batch.advantages = reinforce_pp_advantages(scores, batch.mask, gamma=cfg.gamma)
+
+    def compute_loss(self, batch: Batch):
+        cfg = self.config
+        loss, metrics = reinforce_loss(batch.log_probs, batch.advantages, batch.mask, aggregation=self.aggregation)
+        if cfg.kl_coef > 0 and not self._kl_in_reward:
+            kl = approx_kl(batch.log_probs, batch.ref_log_probs, estimator=cfg.kl_estimator)
+            loss = loss + cfg.kl_coef * self.aggregation(kl, batch.mask)
+            metrics["kl"] = (kl.detach() * batch.mask).sum() / batch.mask.sum().clamp(min=1)
+        else:
+            self.log_kl(batch)
+        return loss, metrics
+
+
+_BUILT_IN = {"grpo": GRPO, "ppo": PPO, "reinforce": REINFORCE}
+
+
+def algorithm_from_name(name: str) -> Algorithm:
+    """A built-in algorithm by its config name.
+
+    Args:
+        name: "grpo", "ppo" or "reinforce".
+
+    Returns:
+        A new instance.
+    """
+    if name not in _BUILT_IN:
+        raise TorchforgeError(f"algorithm_from_name: unknown algorithm {name!r}; expected one of {sorted(_BUILT_IN)}")
+    return _BUILT_IN[name]()

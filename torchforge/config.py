@@ -1,0 +1,232 @@
+"""``RLConfig``: every setting of a training run, validated up front."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from torchforge.advantages import GROUP_SCALES
+from torchforge.errors import InvalidArgumentError
+from torchforge.kl import KL_ESTIMATORS
+from torchforge.reduce import AGGREGATION_MODES
+
+__all__ = ["RLConfig", "ALGORITHMS", "LR_SCHEDULERS", "REINFORCE_BASELINES"]
+
+ALGORITHMS = ("grpo", "ppo", "reinforce")
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+REINFORCE_BASELINES = ("rloo", "reinforce++", "reinforce++-baseline")
+_STRATEGIES = ("fsdp", "ddp", "none")
+_PRECISIONS = ("bf16", "fp32", None)
+
+
+@dataclass
+class RLConfig:
+    """Settings of an RL run; the first nine are the product card's, with its defaults.
+
+    Args:
+        algorithm: "grpo", "ppo" or "reinforce" (ignored when RLTrainer gets an
+            ``algorithm`` object).
+        learning_rate: peak learning rate of AdamW.
+        num_generations: G, completions sampled per prompt.
+        max_completion_length: the token limit of a completion.
+        kl_coef: weight of the KL(pi || ref) penalty; 0 needs no reference model.
+        distributed_strategy: "fsdp", "ddp" or "none" (used when several processes run).
+        mixed_precision: "bf16" or "fp32"; "bf16" falls back to fp32, with a warning, on a
+            machine without bf16 support on its accelerator (a CPU).
+        gradient_checkpointing: recompute activations in backward to save memory.
+        output_dir: where metrics, checkpoints, the final model and plots go.
+        prompts_per_step: prompts per optimizer step over all processes (B = that x G).
+        micro_batch_size: sequences per forward / backward on one process (gradient
+            accumulation splits the step); a multiple of G. None: the whole local batch.
+        num_iterations: optimizer steps (passes) per sampled batch, as TRL's; > 1 makes
+            the later passes off-policy, handled by the clipped ratio.
+        temperature, top_p, top_k: sampling; the training log-probs use the same temperature.
+        clip_low, clip_high, dual_clip: PPO clip range ``[1 - clip_low, 1 + clip_high]``
+            (clip_high defaults to clip_low) and dual-clip constant.
+        loss_aggregation: one of ``AGGREGATION_MODES`` (see ``torchforge.aggregate``).
+        advantage_scale: GRPO: "group" (std of the group), "batch" or "none" (Dr. GRPO).
+        kl_estimator: estimator of the KL term in the loss (GRPO, REINFORCE): "k1", "k2",
+            "k3" or "abs". PPO and REINFORCE++ put a k1 penalty in the reward instead.
+        reinforce_baseline: REINFORCE: "rloo", "reinforce++" or "reinforce++-baseline".
+        gamma, lam: discount and GAE lambda (PPO; gamma also for REINFORCE++).
+        value_coef, value_clip: PPO: weight of the value loss and its clip range.
+        max_grad_norm: gradient-norm clip; None disables it.
+        weight_decay: AdamW weight decay.
+        lr_scheduler: "constant", "linear" (to 0) or "cosine" (to 0).
+        warmup_steps: linear warm-up steps.
+        num_train_epochs: passes over the dataset when ``max_steps`` is None.
+        max_steps: optimizer steps of the run (overrides num_train_epochs).
+        seed: seeds the data order and the sampling.
+        logging_steps: log every N steps.
+        save_steps: checkpoint every N steps (and always at the end); None: only at the end.
+        resume: continue from the last checkpoint in ``output_dir``.
+        stop_token_ids: extra ids that end a completion (eos is always one).
+        reward_weights: one weight per reward function (default: each one's ``weight``).
+        progress_bar: show a progress bar.
+
+    Returns:
+        The validated config; ``InvalidArgumentError`` names the first bad field.
+
+    Example:
+        >>> RLConfig(algorithm="grpo", num_generations=4).clip_high
+        0.2
+        >>> RLConfig(num_generations=4, micro_batch_size=6)
+        Traceback (most recent call last):
+        ...
+        torchforge.errors.InvalidArgumentError: RLConfig: micro_batch_size=6 is not a multiple of num_generations=4; expected whole groups per micro-batch (advantages are computed per group)
+    """
+
+    algorithm: str = "grpo"
+    learning_rate: float = 1e-6
+    num_generations: int = 4
+    max_completion_length: int = 512
+    kl_coef: float = 0.1
+    distributed_strategy: str = "fsdp"
+    mixed_precision: str | None = "bf16"
+    gradient_checkpointing: bool = True
+    output_dir: str = "./torchforge-output"
+
+    prompts_per_step: int = 8
+    micro_batch_size: int | None = None
+    num_iterations: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    clip_low: float = 0.2
+    clip_high: float | None = None
+    dual_clip: float | None = None
+    loss_aggregation: str = "token-mean"
+    advantage_scale: str = "group"
+    kl_estimator: str = "k3"
+    reinforce_baseline: str = "rloo"
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_coef: float = 0.5
+    value_clip: float | None = 0.2
+    max_grad_norm: float | None = 1.0
+    weight_decay: float = 0.0
+    lr_scheduler: str = "constant"
+    warmup_steps: int = 0
+    num_train_epochs: float = 1.0
+    max_steps: int | None = None
+    seed: int = 0
+    logging_steps: int = 1
+    save_steps: int | None = None
+    resume: bool = False
+    stop_token_ids: list[int] | None = None
+    reward_weights: list[float] | None = None
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        fn = "RLConfig"
+
+        def bad(name: str, expected: str) -> InvalidArgumentError:
+            return InvalidArgumentError(f"{fn}: {name}={getattr(self, name)!r}; expected {expected}")
+
+        def choice(name: str, choices) -> None:
+            if getattr(self, name) not in choices:
+                raise bad(name, f"one of {list(choices)}")
+
+        def positive_int(name: str, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(name, "an int >= 1" + (" or None" if optional else ""))
+
+        def in_range(name: str, low: float, high: float, optional: bool = False, open_low: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad(name, f"a number in {'(' if open_low else '['}{low}, {high}]")
+            if not (low < value <= high if open_low else low <= value <= high):
+                raise bad(name, f"a number in {'(' if open_low else '['}{low}, {high}]")
+
+        choice("algorithm", ALGORITHMS)
+        choice("distributed_strategy", _STRATEGIES)
+        choice("mixed_precision", _PRECISIONS)
+        choice("loss_aggregation", AGGREGATION_MODES)
+        choice("advantage_scale", GROUP_SCALES)
+        choice("kl_estimator", KL_ESTIMATORS)
+        choice("reinforce_baseline", REINFORCE_BASELINES)
+        choice("lr_scheduler", LR_SCHEDULERS)
+        for name in ("num_generations", "max_completion_length", "prompts_per_step", "num_iterations",
+                     "logging_steps"):
+            positive_int(name)
+        for name in ("micro_batch_size", "max_steps", "save_steps"):
+            positive_int(name, optional=True)
+        in_range("learning_rate", 0, float("inf"), open_low=True)
+        in_range("kl_coef", 0, float("inf"))
+        in_range("temperature", 0, float("inf"), open_low=True)
+        in_range("top_p", 0, 1, open_low=True)
+        in_range("clip_low", 0, 1)
+        in_range("clip_high", 0, float("inf"), optional=True)
+        in_range("gamma", 0, 1)
+        in_range("lam", 0, 1)
+        in_range("value_coef", 0, float("inf"))
+        in_range("value_clip", 0, float("inf"), optional=True)
+        in_range("max_grad_norm", 0, float("inf"), optional=True, open_low=True)
+        in_range("weight_decay", 0, float("inf"))
+        in_range("num_train_epochs", 0, float("inf"), open_low=True)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "an int >= 0 (0 disables top-k)")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise bad("warmup_steps", "an int >= 0")
+        if self.dual_clip is not None and not (isinstance(self.dual_clip, (int, float)) and self.dual_clip > 1):
+            raise bad("dual_clip", "None or a number > 1")
+        if self.clip_high is None:
+            self.clip_high = self.clip_low
+
+        # combinations
+        G = self.num_generations
+        if self.micro_batch_size is not None and self.micro_batch_size % G:
+            raise InvalidArgumentError(
+                f"{fn}: micro_batch_size={self.micro_batch_size} is not a multiple of num_generations={G}; "
+                "expected whole groups per micro-batch (advantages are computed per group)"
+            )
+        if self.algorithm == "grpo" and G < 2:
+            raise InvalidArgumentError(
+                f"{fn}: algorithm='grpo' with num_generations={G}; expected >= 2 (a group of one has "
+                "no baseline: every advantage would be 0)"
+            )
+        if self.algorithm == "reinforce" and self.reinforce_baseline in ("rloo", "reinforce++-baseline") and G < 2:
+            raise InvalidArgumentError(
+                f"{fn}: reinforce_baseline={self.reinforce_baseline!r} with num_generations={G}; expected >= 2 "
+                "(the baseline comes from the other samples of the group)"
+            )
+        if self.algorithm == "reinforce" and self.num_iterations != 1:
+            raise InvalidArgumentError(
+                f"{fn}: algorithm='reinforce' with num_iterations={self.num_iterations}; REINFORCE is "
+                "on-policy (no ratio clipping), expected num_iterations=1 (use 'grpo' or 'ppo' for several passes)"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "RLConfig":
+        """A config from a dict (e.g. a YAML file), rejecting unknown keys.
+
+        Args:
+            values: field name -> value.
+
+        Returns:
+            RLConfig.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise InvalidArgumentError(
+                f"RLConfig: unknown field(s) {unknown}; expected fields among {sorted(names)}"
+            )
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a plain dict (what the run writes to ``output_dir/config.yaml``).
+
+        Args:
+            None.
+
+        Returns:
+            dict.
+        """
+        return dataclasses.asdict(self)

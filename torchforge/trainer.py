@@ -1,0 +1,471 @@
+"""``RLTrainer``: the product card's convenience API over the loop's functions.
+
+One step, top to bottom (:meth:`RLTrainer.train_step`):
+
+1. take this step's prompts (this process's share of ``prompts_per_step``);
+2. sample G completions each (:func:`torchforge.loop.rollout`) and score them;
+3. reference (and, when the algorithm needs them first, old) log-probs, no grad;
+4. ``algorithm.prepare`` (advantages, values...);
+5. ``num_iterations`` optimizer steps, each over every micro-batch with exact aggregation;
+6. metrics (reduced over processes as sums and counts), logging, checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import yaml
+from torch import nn
+
+from torchforge.algorithms import Algorithm, algorithm_from_name
+from torchforge.batch import Batch
+from torchforge.checkpoint import export_pretrained, load_checkpoint, save_checkpoint
+from torchforge.config import RLConfig
+from torchforge.corrections import zero_std_groups
+from torchforge.distributed import (
+    DistributedConfig,
+    barrier,
+    init_distributed,
+    is_distributed,
+    is_main_process,
+    rank,
+    reduce_metric_sums,
+    shard,
+    world_size,
+)
+from torchforge.errors import InvalidArgumentError, TorchforgeError
+from torchforge.loop import (
+    accumulate_gradients,
+    completion_stop_ids,
+    decode_completions,
+    micro_batches,
+    optimizer_step,
+    policy_log_probs,
+    rollout,
+)
+from torchforge.reduce import Aggregation
+from torchforge.rewards import score_rewards
+from torchforge.tracking import MetricsLogger
+
+__all__ = ["RLTrainer"]
+
+_CHECKPOINTS = "checkpoints"
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        import os
+
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _lr_lambda(config: RLConfig, total_steps: int) -> Callable[[int], float]:
+    warmup, kind = config.warmup_steps, config.lr_scheduler
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class RLTrainer:
+    """Train a Hugging Face causal LM with GRPO, PPO, REINFORCE or your own ``Algorithm``.
+
+    Every argument is optional: with no model, the trainer builds the embedded demo (a
+    tiny Llama, a character tokenizer, the copy-digits task and its reward) — what
+    ``torchforge train`` runs with no arguments.
+
+    Args:
+        model: a causal LM (``AutoModelForCausalLM``) on the CPU or its device.
+        tokenizer: its tokenizer (required with a model).
+        config: an :class:`RLConfig`; default ``RLConfig()``.
+        reward_functions: RewardFunction objects and / or TRL-style callables.
+        train_dataset: a ``datasets.Dataset`` or a sequence of dicts with a ``"prompt"``
+            (a string, or a list of chat messages rendered with the tokenizer's chat
+            template); the other fields reach the reward functions as keyword arguments.
+        algorithm: an :class:`~torchforge.algorithms.Algorithm`; default from
+            ``config.algorithm``.
+        distributed_config: a :class:`DistributedConfig`; its strategy and precision
+            override the config's. Processes are started by ``torchrun`` (or
+            ``torchforge train --nproc N``); one process trains alone.
+
+    Returns:
+        The trainer; :meth:`train` runs it.
+
+    Example:
+        >>> from torchforge import RLConfig
+        >>> trainer = RLTrainer(config=RLConfig(max_steps=1, num_generations=2, prompts_per_step=2,
+        ...     max_completion_length=4, kl_coef=0.0, progress_bar=False, output_dir="/tmp/tf-doctest"))
+        >>> trainer.algorithm.name
+        'GRPO'
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        tokenizer: Any = None,
+        config: RLConfig | None = None,
+        reward_functions: Sequence[Callable] | None = None,
+        train_dataset: Any = None,
+        algorithm: Algorithm | None = None,
+        distributed_config: DistributedConfig | None = None,
+    ) -> None:
+        fn = "RLTrainer"
+        self.config = config = config if config is not None else RLConfig()
+        if not isinstance(config, RLConfig):
+            raise InvalidArgumentError(f"{fn}: config is a {type(config).__name__}; expected an RLConfig")
+        init_distributed()
+        self.device = _device()
+
+        # --- the model, the task --------------------------------------------------------------
+        if model is None:
+            from torchforge import demo
+
+            if tokenizer is not None:
+                raise InvalidArgumentError(f"{fn}: a tokenizer was given without a model; pass both, or neither for the demo")
+            tokenizer = demo.char_tokenizer()
+            model = demo.tiny_llama(tokenizer, seed=config.seed)
+            reward_functions = reward_functions if reward_functions is not None else [demo.CopyDigitsReward()]
+            train_dataset = train_dataset if train_dataset is not None else demo.copy_digits_dataset(4096, seed=config.seed)
+        if tokenizer is None:
+            raise InvalidArgumentError(f"{fn}: tokenizer is None; expected the model's tokenizer")
+        if not reward_functions:
+            raise InvalidArgumentError(f"{fn}: reward_functions is empty; expected at least one reward function")
+        if train_dataset is None or len(train_dataset) == 0:
+            raise InvalidArgumentError(f"{fn}: train_dataset is empty or None; expected rows with a 'prompt' field")
+        if "prompt" not in train_dataset[0]:
+            raise InvalidArgumentError(
+                f"{fn}: train_dataset rows have fields {sorted(train_dataset[0])}; expected a 'prompt' field"
+            )
+        self.tokenizer = tokenizer
+        self.reward_functions = list(reward_functions)
+        self.train_dataset = train_dataset
+        self.stop_ids = completion_stop_ids(tokenizer, model, config.stop_token_ids)
+
+        # --- infrastructure -----------------------------------------------------------------
+        dist_cfg = distributed_config or DistributedConfig(
+            strategy=config.distributed_strategy, mixed_precision=config.mixed_precision,
+        )
+        if dist_cfg.num_gpus is not None and dist_cfg.num_gpus != world_size():
+            warnings.warn(
+                f"{fn}: DistributedConfig(num_gpus={dist_cfg.num_gpus}) but this run has {world_size()} "
+                f"process(es); start {dist_cfg.num_gpus} with `torchforge train --nproc {dist_cfg.num_gpus}` "
+                f"or `torchrun --nproc_per_node {dist_cfg.num_gpus}`. Continuing with {world_size()}.",
+                stacklevel=2,
+            )
+        bf16 = dist_cfg.mixed_precision == "bf16"
+        if bf16 and not (self.device.type == "cuda" and torch.cuda.is_bf16_supported()):
+            warnings.warn(f"{fn}: mixed_precision='bf16' needs a GPU with bf16 support; this machine has "
+                          "none, training in float32", stacklevel=2)
+            bf16 = False
+        self.strategy = dist_cfg.strategy if world_size() > 1 else "none"
+        # FSDP2 casts parameters itself; otherwise autocast does
+        self._autocast = bf16 and self.strategy != "fsdp"
+        if config.prompts_per_step % world_size():
+            raise InvalidArgumentError(
+                f"{fn}: prompts_per_step={config.prompts_per_step} is not divisible by the {world_size()} "
+                "processes; expected an equal share of prompts per process"
+            )
+
+        self.algorithm = algorithm if algorithm is not None else algorithm_from_name(config.algorithm)
+        if not isinstance(self.algorithm, Algorithm):
+            raise InvalidArgumentError(f"{fn}: algorithm is a {type(self.algorithm).__name__}; expected an Algorithm")
+        model = model.to(self.device)
+        self.algorithm.setup(config, model)
+        self.ref_model = None
+        if self.algorithm.needs_reference():
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if config.gradient_checkpointing:
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            elif hasattr(model, "gradient_checkpointing_enable"):
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                raise InvalidArgumentError(f"{fn}: gradient_checkpointing=True but {type(model).__name__} cannot "
+                                           "enable it; expected a Hugging Face model, or gradient_checkpointing=False")
+        shard_kwargs = dict(strategy=self.strategy, sharding_strategy=dist_cfg.sharding_strategy,
+                            mixed_precision="bf16" if bf16 and self.strategy == "fsdp" else None)
+        self.model = shard(model, **shard_kwargs)
+        if self.ref_model is not None and self.strategy == "fsdp":
+            self.ref_model = shard(self.ref_model, **shard_kwargs)
+        modules = {"policy": self.model}
+        for name, module in self.algorithm.modules().items():
+            module = shard(module.to(self.device), **shard_kwargs)
+            setattr(self.algorithm, name, module)  # the algorithm calls the sharded module
+            modules[name] = module
+        self.modules = nn.ModuleDict(modules)
+        self.trainable_parameters = [p for p in self.modules.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable_parameters, lr=config.learning_rate,
+                                           weight_decay=config.weight_decay)
+        self.total_steps = config.max_steps or max(
+            1, math.ceil(config.num_train_epochs * len(train_dataset) / config.prompts_per_step))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config, self.total_steps))
+        self.output_dir = Path(config.output_dir)
+        self.step = 0
+        self.history: list[dict[str, float]] = []
+
+    # --- data ---------------------------------------------------------------------------------
+
+    def _rows(self, step: int) -> tuple[list[dict[str, Any]], list[int]]:
+        """This process's prompts for ``step`` and their ids in the (epoch-shuffled) stream."""
+        n, per_step = len(self.train_dataset), self.config.prompts_per_step
+        share = per_step // world_size()
+        first = step * per_step + rank() * share
+        rows, ids = [], []
+        for k in range(first, first + share):
+            epoch, offset = divmod(k, n)
+            order = self._order(epoch)
+            rows.append(dict(self.train_dataset[int(order[offset])]))
+            ids.append(k)
+        return rows, ids
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        cache = getattr(self, "_order_cache", None)
+        if cache is None or cache[0] != epoch:
+            generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + epoch)
+            self._order_cache = (epoch, torch.randperm(len(self.train_dataset), generator=generator))
+        return self._order_cache[1]
+
+    def _render(self, prompt: Any) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidArgumentError(
+                "RLTrainer: a prompt is a list of chat messages but the tokenizer has no chat_template; "
+                "expected a string prompt, or a tokenizer with a chat template"
+            )
+        return self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def _autocast_context(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast)
+
+    def _log_probs(self, model: nn.Module, batch: Batch, *, grad: bool, entropy: bool = False):
+        with torch.set_grad_enabled(grad), self._autocast_context():
+            return policy_log_probs(model, batch, temperature=self.config.temperature, return_entropy=entropy)
+
+    def _per_part(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        size = self.config.micro_batch_size or batch.batch_size[0]
+        return torch.cat([self._log_probs(model, part, grad=False)[0] for part in micro_batches(batch, size)])
+
+    def sample(self, step: int) -> tuple[Batch, dict[str, torch.Tensor]]:
+        """Sample and score this process's batch of ``step``.
+
+        Args:
+            step: the 0-based optimizer step (selects the prompts and the samples).
+
+        Returns:
+            ``(batch, per_function_rewards)``.
+        """
+        cfg, G = self.config, self.config.num_generations
+        rows, ids = self._rows(step)
+        prompts = [self._render(row["prompt"]) for row in rows]
+        with self._autocast_context():
+            batch = rollout(self.model, self.tokenizer, prompts, num_generations=G,
+                            max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                            top_p=cfg.top_p, top_k=cfg.top_k, stop_token_ids=self.stop_ids,
+                            seed=cfg.seed, prompt_ids=ids)
+        completions, completion_ids = decode_completions(self.tokenizer, batch)
+        columns = {key: [row[key] for row in rows for _ in range(G)] for key in rows[0] if key != "prompt"}
+        rewards, per_function = score_rewards(
+            self.reward_functions, prompts=[p for p in prompts for _ in range(G)], completions=completions,
+            completion_ids=completion_ids, columns=columns, weights=self.config.reward_weights,
+        )
+        batch.rewards = rewards.to(self.device)
+        return batch, per_function
+
+    def _loss(self, part: Batch, aggregation: Aggregation) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        log_probs, entropy = self._log_probs(self.model, part, grad=True, entropy=True)
+        part.log_probs = log_probs
+        if part.old_log_probs is None:  # the first pass runs before any update: on-policy
+            part.old_log_probs = log_probs.detach()
+        with self.algorithm.bind(part, aggregation), self._autocast_context():
+            out = self.algorithm.compute_loss(part)
+            logged = self.algorithm.pop_metrics()
+        loss, metrics = out if isinstance(out, tuple) else (out, {})
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TorchforgeError(
+                f"{self.algorithm.name}.compute_loss returned {type(loss).__name__}"
+                f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}; expected a scalar tensor"
+            )
+        metrics = {**metrics, **logged}
+        metrics["entropy"] = (entropy * part.mask).sum() / part.mask.sum().clamp(min=1)
+        return loss, metrics
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Sample, score and update once; returns this step's metrics (all processes combined).
+
+        Args:
+            step: the 0-based step.
+
+        Returns:
+            name -> float.
+        """
+        cfg = self.config
+        start = time.perf_counter()
+        batch, per_function = self.sample(step)
+
+        if self.ref_model is not None:
+            batch.ref_log_probs = self._per_part(self.ref_model, batch)
+        if self.algorithm.needs_old_log_probs_in_prepare:
+            batch.old_log_probs = self._per_part(self.model, batch)
+        self.algorithm.prepare(batch)
+
+        parts = list(micro_batches(batch, cfg.micro_batch_size or batch.batch_size[0]))
+        self.model.train()
+        for _ in range(cfg.num_iterations):
+            loss, loss_metrics = accumulate_gradients(parts, self._loss, mode=cfg.loss_aggregation,
+                                                      norm_length=cfg.max_completion_length)
+            grad_norm = optimizer_step(self.trainable_parameters, self.optimizer, self.scheduler,
+                                       max_grad_norm=cfg.max_grad_norm)
+        return self._metrics(batch, per_function, loss, loss_metrics, grad_norm, time.perf_counter() - start)
+
+    def _metrics(self, batch, per_function, loss, loss_metrics, grad_norm, seconds) -> dict[str, float]:
+        """Combine over processes as sums and counts, never as means of means."""
+        G = self.config.num_generations
+        rewards = batch.rewards.float().cpu()
+        lengths = batch.mask.sum(-1).float().cpu()
+        tokens = lengths.sum()
+        sums: dict[str, torch.Tensor] = {"_sequences": torch.tensor(float(len(rewards))), "_tokens": tokens,
+                                         "_loss": loss, "completions/_length_sum": tokens,
+                                         "completions/_truncated": batch.truncated.float().sum().cpu(),
+                                         "_zero_std": zero_std_groups(rewards, group_size=G).float().sum()}
+        for name, scores in [("", rewards), *((f"rewards/{k}/", v) for k, v in per_function.items())]:
+            valid = ~scores.isnan()
+            values = torch.where(valid, scores, 0.0)
+            sums[f"{name}_sum"] = values.sum()
+            sums[f"{name}_sq"] = (values ** 2).sum()
+            sums[f"{name}_n"] = valid.float().sum()
+        for key, value in loss_metrics.items():
+            sums[f"tok/{key}"] = value * tokens  # local token means -> token sums
+        total = {k: float(v) for k, v in reduce_metric_sums(sums).items()}
+        max_length = lengths.max() if len(lengths) else torch.tensor(0.0)
+        if is_distributed():
+            max_length = max_length.to(self.device)
+            torch.distributed.all_reduce(max_length, op=torch.distributed.ReduceOp.MAX)
+
+        def mean_std(prefix: str) -> tuple[float, float]:
+            n = total[f"{prefix}_n"]
+            if n == 0:
+                return math.nan, math.nan
+            mean = total[f"{prefix}_sum"] / n
+            var = max(total[f"{prefix}_sq"] / n - mean ** 2, 0.0) * (n / (n - 1) if n > 1 else 0.0)
+            return mean, math.sqrt(var)
+
+        out: dict[str, float] = {}
+        out["reward"], out["reward_std"] = mean_std("")
+        for name in per_function:
+            out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = mean_std(f"rewards/{name}/")
+        out["frac_reward_zero_std"] = total["_zero_std"] / total["_sequences"]
+        n_tokens = max(total["_tokens"], 1.0)
+        for key in loss_metrics:
+            out[key] = total[f"tok/{key}"] / n_tokens
+        out["loss"] = total["_loss"] / world_size()
+        out["completions/mean_length"] = total["completions/_length_sum"] / total["_sequences"]
+        out["completions/max_length"] = float(max_length)
+        out["completions/clipped_ratio"] = total["completions/_truncated"] / total["_sequences"]
+        out["grad_norm"] = grad_norm
+        out["learning_rate"] = self.scheduler.get_last_lr()[0]
+        out["tokens_per_second"] = total["_tokens"] / seconds
+        out["step_time"] = seconds
+        return out
+
+    # --- the run ------------------------------------------------------------------------------
+
+    def _checkpoint_dirs(self) -> list[Path]:
+        root = self.output_dir / _CHECKPOINTS
+        done = [p for p in root.glob("step-*") if (p / "rank_0.pt").exists()] if root.exists() else []
+        return sorted(done, key=lambda p: int(p.name.split("-")[1]))
+
+    def save(self, step: int) -> Path:
+        """Checkpoint everything needed to continue after ``step`` steps (every process calls this).
+
+        Args:
+            step: steps done.
+
+        Returns:
+            The checkpoint folder.
+        """
+        path = self.output_dir / _CHECKPOINTS / f"step-{step:06d}"
+        save_checkpoint(path, model=self.modules, optimizer=self.optimizer, scheduler=self.scheduler,
+                        extra={"step": step})
+        return path
+
+    def resume(self) -> int:
+        """Load the newest checkpoint in ``output_dir``; returns the steps it had done (0 if none).
+
+        Args:
+            None.
+
+        Returns:
+            int.
+        """
+        found = self._checkpoint_dirs()
+        if not found:
+            if is_main_process():
+                warnings.warn(f"RLTrainer: resume=True but {self.output_dir / _CHECKPOINTS} holds no "
+                              "checkpoint; starting from step 0", stacklevel=2)
+            return 0
+        extra = load_checkpoint(found[-1], model=self.modules, optimizer=self.optimizer, scheduler=self.scheduler)
+        return int(extra["step"])
+
+    def train(self) -> dict[str, Any]:
+        """Run until ``max_steps`` (or ``num_train_epochs``), logging, checkpointing and exporting.
+
+        Args:
+            None.
+
+        Returns:
+            A summary: ``steps``, ``reward_first`` / ``reward_last`` (mean reward of the first
+            and last 10% of logged steps), and the paths of ``metrics``, ``checkpoint``,
+            ``final_model`` and ``plot``.
+        """
+        cfg = self.config
+        if is_main_process():
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        start = self.resume() if cfg.resume else 0
+        logger = MetricsLogger(self.output_dir, total_steps=self.total_steps, initial_step=start,
+                               enabled=is_main_process(), progress_bar=cfg.progress_bar)
+        last_saved = None
+        try:
+            for step in range(start, self.total_steps):
+                metrics = self.train_step(step)
+                self.step = step + 1
+                self.history.append({"step": self.step, **metrics})
+                if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
+                    logger.log(self.step, metrics)
+                logger.advance()
+                if cfg.save_steps and self.step % cfg.save_steps == 0:
+                    last_saved = self.save(self.step)
+        finally:
+            logger.close()
+        if last_saved is None or self.step != int(last_saved.name.split("-")[1]):
+            last_saved = self.save(self.step)
+        final = self.output_dir / "final"
+        export_pretrained(self.model, self.tokenizer, final)
+        summary: dict[str, Any] = {"steps": self.step, "metrics": self.output_dir / "metrics.jsonl",
+                                   "checkpoint": last_saved, "final_model": final, "plot": None}
+        rewards = [h["reward"] for h in self.history if not math.isnan(h["reward"])]
+        window = max(1, len(rewards) // 10)
+        summary["reward_first"] = sum(rewards[:window]) / window if rewards else math.nan
+        summary["reward_last"] = sum(rewards[-window:]) / window if rewards else math.nan
+        if is_main_process() and (self.output_dir / "metrics.jsonl").exists():
+            from torchforge.plot import plot_run
+
+            summary["plot"] = plot_run(self.output_dir)
+        barrier()
+        return summary
