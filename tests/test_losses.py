@@ -550,3 +550,21 @@ def test_ppo_loss_compiles_with_inductor():
     torch.testing.assert_close(x2.grad, x1.grad)
     for key in m1:
         torch.testing.assert_close(m2[key], m1[key])
+
+
+@pytest.mark.parametrize("name", ["ppo_loss", "grpo_loss", "reinforce_loss", "cispo_loss"])
+def test_advantages_are_a_target_and_get_no_gradient(name):
+    import torchforge.losses as L
+
+    lp = torch.log(torch.tensor([[0.5, 0.25]])).requires_grad_()
+    adv = torch.tensor([1.5], requires_grad=True)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    if name == "reinforce_loss":
+        loss, _ = L.reinforce_loss(lp, adv, mask)
+    elif name == "cispo_loss":
+        loss, _ = L.cispo_loss(lp, lp.detach(), adv, mask, clip_low=0.2, clip_high=0.2)
+    else:
+        loss, _ = getattr(L, name)(lp, lp.detach(), adv, mask)
+    loss.backward()
+    assert adv.grad is None
+    torch.testing.assert_close(lp.grad, torch.full((1, 2), -0.75))  # -A / N on-policy

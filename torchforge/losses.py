@@ -611,7 +611,7 @@ def reinforce_loss(
     """
     fn = "reinforce_loss"
     _check_log_probs(fn, log_probs, mask)
-    advantages = _per_token(fn, "advantages", advantages, log_probs)
+    advantages = _per_token(fn, "advantages", advantages, log_probs).detach()  # a target, as in ppo_loss
     lp = torch.where(mask, log_probs.float(), 0.0)
     per_token = -advantages * lp
     if weights is not None:
@@ -674,7 +674,7 @@ def cispo_loss(
     """
     fn = "cispo_loss"
     _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
-    advantages = _per_token(fn, "advantages", advantages, log_probs)
+    advantages = _per_token(fn, "advantages", advantages, log_probs).detach()  # a target, as in ppo_loss
     clip_high = _check_clip(fn, clip_low, clip_high, None)
     check_positive(fn, "max_log_ratio", max_log_ratio)
     log_ratio = _safe_log_ratio(log_probs, old_log_probs, mask).detach()
