@@ -1,4 +1,11 @@
-"""torchforge: PyTorch-native reinforcement-learning primitives for post-training language models."""
+"""torchforge: PyTorch-native reinforcement-learning primitives for post-training language models.
+
+The primitives import only torch, tensordict and einops. The loop and trainer names
+(``RLTrainer``, ``Algorithm``, ``rollout``...) need transformers and are imported on first
+use, so ``import torchforge`` stays light for people who only call the losses.
+"""
+
+import importlib
 
 from torchforge.advantages import (
     GROUP_SCALES,
@@ -10,6 +17,7 @@ from torchforge.advantages import (
     rloo_advantages,
 )
 from torchforge.batch import Batch, batch_args, is_batch
+from torchforge.config import RLConfig
 from torchforge.checkpoint import export_pretrained, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from torchforge.corrections import (
     CORRECTION_LEVELS,
@@ -47,10 +55,56 @@ from torchforge.log_probs import (
 )
 from torchforge.losses import RATIO_LEVELS, cispo_loss, grpo_loss, policy_ratio, ppo_loss, reinforce_loss, value_loss
 from torchforge.reduce import AGGREGATION_MODES, Aggregation, aggregate, masked_mean, masked_sum, masked_var, masked_whiten
+from torchforge.rewards import RewardError, RewardFunction, score_rewards
+
+# name -> module, imported on first access (they need transformers)
+_LAZY = {
+    "RLTrainer": "torchforge.trainer",
+    "Algorithm": "torchforge.algorithms",
+    "GRPO": "torchforge.algorithms",
+    "PPO": "torchforge.algorithms",
+    "REINFORCE": "torchforge.algorithms",
+    "rollout": "torchforge.loop",
+    "decode_completions": "torchforge.loop",
+    "policy_log_probs": "torchforge.loop",
+    "ValueModel": "torchforge.loop",
+    "accumulate_gradients": "torchforge.loop",
+    "optimizer_step": "torchforge.loop",
+    "micro_batches": "torchforge.loop",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'torchforge' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # trainer (the product card's API)
+    "RLTrainer",
+    "RLConfig",
+    "RewardFunction",
+    "Algorithm",
+    "GRPO",
+    "PPO",
+    "REINFORCE",
+    "DistributedConfig",
+    # loop
+    "rollout",
+    "decode_completions",
+    "policy_log_probs",
+    "ValueModel",
+    "micro_batches",
+    "accumulate_gradients",
+    "optimizer_step",
+    # rewards
+    "score_rewards",
+    "RewardError",
     # batch
     "Batch",
     "batch_args",
@@ -102,7 +156,6 @@ __all__ = [
     "zero_std_groups",
     "CORRECTION_LEVELS",
     # distributed
-    "DistributedConfig",
     "shard",
     "init_distributed",
     "teardown_distributed",

@@ -151,16 +151,17 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if "--nproc" in argv:  # "--nproc N": drop N too
             i = list(argv).index("--nproc")
             forwarded = list(argv[:i]) + list(argv[i + 2:])
-        return launch(args.nproc, forwarded)
+        return launch(args.nproc, ["train", *forwarded])
     values = load_run_config(args.config, args.overrides)
     if args.resume:
         values["resume"] = True
     trainer = build_trainer(values)
+    main_process = is_main_process()
     try:
         summary = trainer.train()
     finally:
         teardown_distributed()
-    if is_main_process():
+    if main_process:
         print(
             f"\ntrained {summary['steps']} steps ({trainer.algorithm.name})\n"
             f"  reward      {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} "

@@ -297,7 +297,8 @@ def policy_log_probs(
             hidden, head.weight, batch.tokens, bias=head.bias, temperature=temperature,
             chunk_size=chunk_size, return_entropy=return_entropy,
         )
-        return result if return_entropy else (result, None)
+        # fresh tensors, not views: FSDP hooks its pre-backward on what the forward returns
+        return tuple(r.clone() for r in result) if return_entropy else (result.clone(), None)
 
     # prepend: the head runs before FSDP's post-forward hook reshards the root parameters
     with _hooks(decoder.register_forward_hook(keep_hidden),
