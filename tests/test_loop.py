@@ -8,7 +8,7 @@ from torchforge.demo import char_tokenizer, tiny_llama
 from torchforge.errors import InvalidArgumentError
 from torchforge.loop import (
     ValueModel,
-    _completion_mask,
+    completion_mask,
     accumulate_gradients,
     completion_stop_ids,
     decode_completions,
@@ -37,14 +37,14 @@ def model(tokenizer):
 def test_mask_when_pad_equals_eos():
     # generate pads finished rows with pad == eos: the first eos counts, the padding does not
     tokens = torch.tensor([[5, EOS, EOS, EOS], [EOS, EOS, EOS, EOS], [5, 6, 7, EOS]])
-    mask, truncated = _completion_mask(tokens, [EOS])
+    mask, truncated = completion_mask(tokens, [EOS])
     assert mask.tolist() == [[True, True, False, False], [True, False, False, False], [True, True, True, True]]
     assert truncated.tolist() == [False, False, False]
 
 
 def test_mask_with_several_stop_ids_and_truncation():
     tokens = torch.tensor([[5, 9, 3, 0], [5, 6, 7, 8], [9, 5, 5, 5]])
-    mask, truncated = _completion_mask(tokens, [3, 9])
+    mask, truncated = completion_mask(tokens, [3, 9])
     assert mask.tolist() == [[True, True, False, False], [True, True, True, True], [True, False, False, False]]
     assert truncated.tolist() == [False, True, False]
 

@@ -66,6 +66,7 @@ _LAZY = {
     "REINFORCE": "torchforge.algorithms",
     "rollout": "torchforge.loop",
     "decode_completions": "torchforge.loop",
+    "completion_mask": "torchforge.loop",
     "policy_log_probs": "torchforge.loop",
     "ValueModel": "torchforge.loop",
     "accumulate_gradients": "torchforge.loop",
@@ -97,6 +98,7 @@ __all__ = [
     # loop
     "rollout",
     "decode_completions",
+    "completion_mask",
     "policy_log_probs",
     "ValueModel",
     "micro_batches",

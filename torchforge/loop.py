@@ -32,6 +32,7 @@ from torchforge.sampling import SeededSampler, sample_keys
 __all__ = [
     "rollout",
     "completion_stop_ids",
+    "completion_mask",
     "decode_completions",
     "policy_log_probs",
     "ValueModel",
@@ -80,8 +81,26 @@ def _pad_left(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return ids, mask
 
 
-def _completion_mask(tokens: torch.Tensor, stop_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask up to and including the first stop token, found by position; and ``truncated``."""
+def completion_mask(tokens: torch.Tensor, stop_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss mask of generated completions, and which ones were cut by the length limit.
+
+    ``mask[b, t] = t <= first_stop[b]``: each completion up to and including its first
+    stop token, found by position (never by ``tokens != pad_id``: when pad == eos that
+    would hide the stop token the model must learn). A row with no stop token is counted
+    whole and flagged ``truncated``.
+
+    Args:
+        tokens: [B, T] int64 generated tokens (right-padded).
+        stop_ids: the ids that end a completion.
+
+    Returns:
+        ``(mask, truncated)``: [B, T] bool and [B] bool.
+
+    Example:
+        >>> mask, truncated = completion_mask(torch.tensor([[5, 2, 2], [5, 6, 7]]), [2])
+        >>> mask.tolist(), truncated.tolist()
+        ([[True, True, False], [True, True, True]], [False, True])
+    """
     is_stop = torch.isin(tokens, torch.tensor(stop_ids, device=tokens.device))
     stopped = is_stop.any(-1)
     first_stop = torch.where(stopped, is_stop.int().argmax(-1), tokens.shape[-1])
@@ -163,7 +182,7 @@ def rollout(
 
     if isinstance(prompts[0], str):
         add_special = getattr(tokenizer, "chat_template", None) is None
-        encoded = [tokenizer(p, add_special_tokens=add_special)["input_ids"] for p in prompts]
+        encoded = tokenizer(list(prompts), add_special_tokens=add_special)["input_ids"]
     else:
         encoded = [list(p) for p in prompts]
     if any(len(e) == 0 for e in encoded):
@@ -181,7 +200,7 @@ def rollout(
         seed = int(torch.randint(0, 2**62, ()).item())
     sample_ids = ids.repeat_interleave(G) * G + torch.arange(G).repeat(len(prompts))
     sampler = SeededSampler(sample_keys(seed, sample_ids), prompt_length=prompt_tokens.shape[1],
-                            temperature=temperature, top_k=top_k, top_p=top_p)
+                            temperature=temperature, top_k=top_k, top_p=top_p, max_steps=max_new_tokens)
     config = GenerationConfig(
         do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
         pad_token_id=pad_id, repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0,
@@ -196,7 +215,7 @@ def rollout(
     finally:
         inner.train(was_training)
     tokens = out[:, prompt_tokens.shape[1]:]
-    mask, truncated = _completion_mask(tokens, stop_ids)
+    mask, truncated = completion_mask(tokens, stop_ids)
     T = tokens.shape[1]
     rollout_log_probs = torch.stack(sampler.log_probs[:T], dim=1) if T else torch.zeros(len(tokens), 0)
     return Batch(
@@ -217,7 +236,8 @@ def decode_completions(tokenizer: Any, batch: Batch) -> tuple[list[str], list[li
         ``(completions, completion_ids)``: B strings (special tokens skipped) and B lists of
         the counted token ids (stop token included).
     """
-    ids = [row[m].tolist() for row, m in zip(batch.tokens.cpu(), batch.mask.cpu())]
+    # the mask is a prefix of each row: cut the rows at their lengths
+    ids = [row[:n] for row, n in zip(batch.tokens.tolist(), batch.mask.sum(-1).tolist())]
     return tokenizer.batch_decode(ids, skip_special_tokens=True), ids
 
 

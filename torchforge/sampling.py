@@ -40,11 +40,12 @@ def hash_uniform(keys: torch.Tensor, step: int) -> torch.Tensor:
     """One uniform number in (0, 1) per key: ``u[b] = hash(keys[b], step)``, float64.
 
     Args:
-        keys: [B] int64 per-sample keys.
-        step: the generation step.
+        keys: [B] int64 per-sample keys (any shape that broadcasts with ``step``).
+        step: the generation step (an int, or an int64 tensor of steps).
 
     Returns:
-        [B] float64 in the open interval (0, 1), a deterministic function of (key, step).
+        float64 in the open interval (0, 1), a deterministic function of (key, step), of
+        the broadcast shape of ``keys`` and ``step``.
 
     Example:
         >>> u = hash_uniform(torch.tensor([1, 2]), 0)
@@ -75,6 +76,8 @@ class SeededSampler:
         temperature: > 0; logits are divided by it.
         top_k: keep the k most likely tokens; 0 keeps all.
         top_p: keep the smallest set of most likely tokens whose probability is >= top_p; 1 keeps all.
+        max_steps: the most tokens a completion can have, to draw every uniform up front
+            (the same numbers as drawing them step by step).
 
     Returns:
         A callable ``(input_ids, scores) -> scores``.
@@ -87,8 +90,10 @@ class SeededSampler:
     """
 
     def __init__(self, keys: torch.Tensor, *, prompt_length: int, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0) -> None:
+                 top_k: int = 0, top_p: float = 1.0, max_steps: int | None = None) -> None:
         self.keys = keys
+        # all the uniforms of a rollout at once: one small kernel per token less
+        self._uniforms = None if max_steps is None else hash_uniform(keys[:, None], torch.arange(max_steps)[None, :])
         self.prompt_length = prompt_length
         self.temperature = temperature
         self.top_k = top_k
@@ -111,7 +116,11 @@ class SeededSampler:
         step = input_ids.shape[1] - self.prompt_length
         log_p = torch.log_softmax(self._filtered(scores.float() / self.temperature), dim=-1)
         cdf = log_p.exp().double().cumsum(-1)
-        u = hash_uniform(self.keys.to(scores.device), step)[:, None] * cdf[:, -1:]
+        if self._uniforms is not None and step < self._uniforms.shape[1]:
+            u = self._uniforms[:, step, None].to(scores.device)
+        else:
+            u = hash_uniform(self.keys.to(scores.device), step)[:, None]
+        u = u * cdf[:, -1:]
         choice = torch.searchsorted(cdf, u, right=True).clamp(max=scores.shape[-1] - 1)
         self.log_probs.append(log_p.gather(-1, choice).squeeze(-1))
         return torch.full_like(scores, float("-inf")).scatter(-1, choice, 0.0)
