@@ -317,3 +317,18 @@ def test_grpo_learns_the_default_task(tmp_path):
     trainer = RLTrainer(config=demo_config(output_dir=str(tmp_path / "run"), progress_bar=False))
     summary = trainer.train()
     assert summary["reward_last"] - summary["reward_first"] >= 0.3, summary
+
+
+def test_a_subclass_init_need_not_call_super(tmp_path):
+    class WithInit(Algorithm):
+        def __init__(self, scale):
+            self.scale = scale
+
+        def compute_loss(self, batch):
+            self.log(scale=self.scale)
+            return self.scale * self.policy_gradient_loss(batch.log_probs, self.compute_advantages(batch.rewards))
+
+    trainer = RLTrainer(algorithm=WithInit(2.0), config=small_config(tmp_path, kl_coef=0.0))
+    metrics = trainer.train_step(0)
+    assert metrics["scale"] == 2.0 and "clip_frac_low" in metrics
+    assert Algorithm._metrics is None  # nothing leaked into the class

@@ -74,12 +74,11 @@ class Algorithm:
     #: compute ``old_log_probs`` with a no-grad forward before ``prepare`` (otherwise the
     #: first pass takes them from its own forward, detached: exactly the same numbers)
     needs_old_log_probs_in_prepare: bool = False
-
-    def __init__(self) -> None:
-        self.config = RLConfig()
-        self._batch: Batch | None = None
-        self._aggregation: Aggregation | None = None
-        self._metrics: dict[str, torch.Tensor] = {}
+    # class-level defaults, so that a subclass __init__ need not call super().__init__()
+    config: RLConfig = RLConfig()
+    _batch: Batch | None = None
+    _aggregation: Aggregation | None = None
+    _metrics: dict[str, torch.Tensor] | None = None
 
     @property
     def name(self) -> str:
@@ -124,7 +123,7 @@ class Algorithm:
     @contextlib.contextmanager
     def bind(self, batch: Batch, aggregation: Aggregation) -> Iterator[None]:
         """Make ``batch`` and ``aggregation`` the current ones while the body runs (trainer use)."""
-        self._batch, self._aggregation, self._metrics = batch, aggregation, {}
+        self._batch, self._aggregation, self._metrics = batch, aggregation, None
         try:
             yield
         finally:
@@ -168,6 +167,8 @@ class Algorithm:
         Returns:
             None.
         """
+        if self._metrics is None:
+            self._metrics = {}
         for key, value in metrics.items():
             self._metrics[key] = torch.as_tensor(value).detach().float()
 
@@ -186,7 +187,7 @@ class Algorithm:
 
     def pop_metrics(self) -> dict[str, torch.Tensor]:
         """The metrics recorded since the last call (trainer use)."""
-        metrics, self._metrics = self._metrics, {}
+        metrics, self._metrics = self._metrics or {}, None
         return metrics
 
     # --- hooks -------------------------------------------------------------------------------
@@ -317,9 +318,7 @@ class PPO(Algorithm):
 
     needs_old_log_probs_in_prepare = True
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.critic: ValueModel | None = None
+    critic: ValueModel | None = None
 
     def setup(self, config: RLConfig, policy: nn.Module) -> None:
         super().setup(config, policy)

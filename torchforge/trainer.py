@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import time
 import warnings
 from pathlib import Path
@@ -60,8 +61,6 @@ _CHECKPOINTS = "checkpoints"
 
 def _device() -> torch.device:
     if torch.cuda.is_available():
-        import os
-
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
@@ -215,6 +214,7 @@ class RLTrainer:
         self.output_dir = Path(config.output_dir)
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self._order_cache: tuple[int, torch.Tensor] | None = None
 
     # --- data ---------------------------------------------------------------------------------
 
@@ -232,8 +232,8 @@ class RLTrainer:
         return rows, ids
 
     def _order(self, epoch: int) -> torch.Tensor:
-        cache = getattr(self, "_order_cache", None)
-        if cache is None or cache[0] != epoch:
+        """The permutation of the dataset for ``epoch`` (seeded; the last one is cached)."""
+        if self._order_cache is None or self._order_cache[0] != epoch:
             generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + epoch)
             self._order_cache = (epoch, torch.randperm(len(self.train_dataset), generator=generator))
         return self._order_cache[1]
