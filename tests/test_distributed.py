@@ -266,14 +266,14 @@ def _trainer_history(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_trainer_on_two_processes_matches_one(tmp_path, strategy):
+@pytest.mark.parametrize("strategy, algorithm", [("fsdp", "grpo"), ("ddp", "grpo"), ("fsdp", "ppo")])
+def test_trainer_on_two_processes_matches_one(tmp_path, strategy, algorithm):
     # Sampling is seeded per sample, so 2 processes draw the same completions as 1; with
     # exact aggregation the losses, KL and gradient norms are then those of one process.
     from torchforge.cli import main
 
     settings = ["max_steps=3", "prompts_per_step=4", "num_generations=4", "kl_coef=0.05", "progress_bar=false",
-                f"distributed_strategy={strategy}", "loss_aggregation=seq-mean-token-mean"]
+                f"distributed_strategy={strategy}", "loss_aggregation=seq-mean-token-mean", f"algorithm={algorithm}"]
     assert main(["train", *settings, f"output_dir={tmp_path / 'one'}"]) == 0
     assert main(["train", "--nproc", "2", *settings, f"output_dir={tmp_path / 'two'}"]) == 0
     one, two = _trainer_history(tmp_path / "one"), _trainer_history(tmp_path / "two")
@@ -281,8 +281,31 @@ def test_trainer_on_two_processes_matches_one(tmp_path, strategy):
     for a, b in zip(one, two):
         for key in ("loss", "reward", "kl", "entropy", "grad_norm", "completions/mean_length"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
-    if strategy == "fsdp":
+    if algorithm == "grpo" and strategy == "fsdp":
         # the 2-process checkpoint resumes on 1 process
         with pytest.warns(UserWarning, match="checkpoint saved by 2 processes, resumed with 1"):
             assert main(["train", "--resume", *settings, "max_steps=4", f"output_dir={tmp_path / 'two'}"]) == 0
         assert [r["step"] for r in _trainer_history(tmp_path / "two")] == [1, 2, 3, 4]
+
+
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 5), T=st.integers(1, 6), seed=st.integers(0, 2**31), eps=st.sampled_from([0.0, 1e-8]))
+def test_whiten_over_ranks_is_masked_whiten_in_one_process(B, T, seed, eps):
+    from torchforge.distributed import whiten_over_ranks
+    from torchforge.reduce import masked_whiten
+
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(B, T, generator=g) * 3 + 1
+    mask = torch.rand(B, T, generator=g) < 0.6
+    values = values.masked_fill(~mask, float("nan"))  # never leaks
+    torch.testing.assert_close(whiten_over_ranks(values, mask, eps=eps), masked_whiten(values, mask, eps=eps),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_whiten_over_ranks_errors():
+    from torchforge.distributed import whiten_over_ranks
+
+    with pytest.raises(InvalidArgumentError, match=r"whiten_over_ranks: eps must be >= 0, got -1"):
+        whiten_over_ranks(torch.zeros(2, 2), torch.ones(2, 2, dtype=torch.bool), eps=-1)
+    with pytest.raises(ShapeError, match="whiten_over_ranks"):
+        whiten_over_ranks(torch.zeros(2, 2), torch.ones(2, 3, dtype=torch.bool))

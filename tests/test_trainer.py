@@ -332,3 +332,19 @@ def test_a_subclass_init_need_not_call_super(tmp_path):
     metrics = trainer.train_step(0)
     assert metrics["scale"] == 2.0 and "clip_frac_low" in metrics
     assert Algorithm._metrics is None  # nothing leaked into the class
+
+
+@pytest.mark.parametrize("baseline", ["reinforce++", "reinforce++-baseline"])
+def test_reinforce_pp_prepare_equals_the_primitive_in_one_process(tmp_path, baseline):
+    from torchforge.advantages import group_advantages, kl_penalized_rewards, reinforce_pp_advantages
+
+    trainer = RLTrainer(config=small_config(tmp_path, algorithm="reinforce", reinforce_baseline=baseline))
+    batch, _ = trainer.sample(0)
+    batch.ref_log_probs = trainer._per_part(trainer.ref_model, batch)
+    batch.old_log_probs = trainer._per_part(trainer.model, batch)
+    trainer.algorithm.prepare(batch)
+    scores = batch.rewards
+    if baseline == "reinforce++-baseline":
+        scores = group_advantages(scores, group_size=4, scale="none")
+    scores = kl_penalized_rewards(scores, batch.old_log_probs, batch.ref_log_probs, batch.mask, kl_coef=0.05)
+    torch.testing.assert_close(batch.advantages, reinforce_pp_advantages(scores, batch.mask), rtol=1e-5, atol=1e-6)

@@ -42,6 +42,7 @@ from torchforge.distributed import (
     sync_weights,
     teardown_distributed,
     unwrap_model,
+    whiten_over_ranks,
     world_size,
 )
 from torchforge.errors import DTypeError, InvalidArgumentError, MissingKeyError, ShapeError, TorchforgeError
@@ -167,6 +168,7 @@ __all__ = [
     "barrier",
     "global_counts",
     "reduce_metric_sums",
+    "whiten_over_ranks",
     "unwrap_model",
     "generation_kwargs",
     "launch",

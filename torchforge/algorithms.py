@@ -32,10 +32,10 @@ import torch
 from torch import nn
 
 from torchforge.advantages import (
+    discounted_returns,
     gae,
     group_advantages,
     kl_penalized_rewards,
-    reinforce_pp_advantages,
     rloo_advantages,
 )
 from torchforge.batch import Batch
@@ -44,7 +44,8 @@ from torchforge.errors import TorchforgeError
 from torchforge.kl import approx_kl
 from torchforge.loop import ValueModel, micro_batches
 from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss, value_loss
-from torchforge.reduce import Aggregation, masked_whiten
+from torchforge.distributed import whiten_over_ranks
+from torchforge.reduce import Aggregation
 
 __all__ = ["Algorithm", "GRPO", "PPO", "REINFORCE", "algorithm_from_name"]
 
@@ -294,7 +295,7 @@ class PPO(Algorithm):
 
     Token rewards ``r_t = score * [t = last] - kl_coef * (old_log_probs - ref_log_probs)_t``,
     values ``V_t`` from a critic (the policy's decoder, copied, with a scalar head),
-    ``(A, R) = gae(r, V, mask, gamma, lam)``, ``A`` whitened over the batch, then
+    ``(A, R) = gae(r, V, mask, gamma, lam)``, ``A`` whitened over the batch (all ranks), then
     ``loss = ppo_loss(A) + value_coef * value_loss(V, V_old, R, clip=value_clip)``.
 
     Args:
@@ -339,7 +340,7 @@ class PPO(Algorithm):
         ref = batch.ref_log_probs if cfg.kl_coef > 0 else batch.old_log_probs
         token_rewards = kl_penalized_rewards(rewards, batch.old_log_probs, ref, batch.mask, kl_coef=cfg.kl_coef)
         advantages, batch.returns = gae(token_rewards, batch.old_values, batch.mask, gamma=cfg.gamma, lam=cfg.lam)
-        batch.advantages = masked_whiten(advantages, batch.mask)
+        batch.advantages = whiten_over_ranks(advantages, batch.mask)  # the whole batch, all ranks
 
     def compute_loss(self, batch: Batch):
         cfg = self.config
@@ -400,7 +401,8 @@ class REINFORCE(Algorithm):
         if self._kl_in_reward:
             scores = kl_penalized_rewards(scores, batch.old_log_probs, batch.ref_log_probs, batch.mask,
                                           kl_coef=cfg.kl_coef)
-        batch.advantages = reinforce_pp_advantages(scores, batch.mask, gamma=cfg.gamma)
+        # reinforce_pp_advantages, with the whitening statistics of every rank
+        batch.advantages = whiten_over_ranks(discounted_returns(scores, batch.mask, gamma=cfg.gamma), batch.mask)
 
     def compute_loss(self, batch: Batch):
         cfg = self.config

@@ -37,6 +37,7 @@ __all__ = [
     "barrier",
     "global_counts",
     "reduce_metric_sums",
+    "whiten_over_ranks",
     "shard",
     "unwrap_model",
     "generation_kwargs",
@@ -317,6 +318,44 @@ def reduce_metric_sums(sums: dict[str, torch.Tensor | float]) -> dict[str, torch
         stacked = on_device.cpu()
     return dict(zip(sums.keys(), stacked.unbind(0)))
 
+
+
+def whiten_over_ranks(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8) -> torch.Tensor:
+    """``masked_whiten`` with the mean and variance of the whole batch over all ranks.
+
+    ``(values - mean) / sqrt(var + eps)`` at counted positions (0 elsewhere), where ``mean``
+    and the unbiased ``var`` are those of every counted value on every rank, computed in
+    two passes (sum, then squared deviations) with one all-reduce each in float64. Whitening
+    each rank's shard on its own would give each rank different statistics, and the
+    update would depend on the number of processes.
+
+    Args:
+        values: [B, T] float values of this rank (e.g. GAE advantages).
+        mask: [B, T] bool, True = the value counts.
+        eps: added to the variance before the square root, >= 0.
+
+    Returns:
+        float32 [B, T]; in a single process, ``masked_whiten(values, mask, eps=eps)``.
+
+    Example:
+        >>> import torch
+        >>> whiten_over_ranks(torch.tensor([[1., 3., 9.]]), torch.tensor([[True, True, False]]), eps=0.0)
+        tensor([[-0.7071,  0.7071,  0.0000]])
+    """
+    fn = "whiten_over_ranks"
+    check_tensor(fn, "values", values)
+    check_mask(fn, mask, "values", values)
+    if not eps >= 0:
+        raise InvalidArgumentError(f"{fn}: eps must be >= 0, got {eps!r}")
+    x = torch.where(mask, values.double(), 0.0)
+    first = reduce_metric_sums({"n": mask.sum(), "sum": x.sum()})
+    n = first["n"]
+    mean = first["sum"] / n.clamp(min=1)
+    deviation = torch.where(mask, x - mean.to(x.device), 0.0)
+    var = reduce_metric_sums({"sq": (deviation ** 2).sum()})["sq"] / (n - 1).clamp(min=1)
+    var = var if n > 1 else torch.zeros((), dtype=torch.float64)
+    scale = torch.rsqrt(var + eps) if var + eps > 0 else torch.zeros((), dtype=torch.float64)
+    return (deviation * scale.to(x.device)).float()
 
 # --- configuration -----------------------------------------------------------------------
 

@@ -364,7 +364,7 @@ class ValueModel(nn.Module):
         P = batch.prompt_tokens.shape[1]
         hidden = _last_hidden(self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                                            position_ids=position_ids, use_cache=False))
-        return self.head(hidden[:, P - 1:]).squeeze(-1).float()
+        return self.head(hidden[:, P - 1:])[..., 0].float().clone()  # not a view: FSDP hooks the output
 
 
 # --- the update ----------------------------------------------------------------------------
