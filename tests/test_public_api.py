@@ -168,3 +168,10 @@ def test_primitive_imports_only_the_layers_above(module_name):
                     f"{module_name} imports {full}"
                 )
                 assert not full.startswith("torch.distributed"), f"{module_name} imports {full}"
+
+
+@pytest.mark.parametrize("name", [n for n in EXPORTED if _is_documented_callable(getattr(torchforge, n))])
+def test_public_callable_has_an_example(name):
+    obj = getattr(torchforge, name)
+    doc = inspect.getdoc(obj) if inspect.isroutine(obj) else obj.__dict__.get("__doc__")
+    assert _has_section(inspect.cleandoc(doc), "Example"), f"torchforge.{name}: docstring has no 'Example:' section"

@@ -104,6 +104,12 @@ def is_batch(x) -> bool:
 
     Returns:
         bool: whether ``x`` can be read from by key.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> is_batch(TensorDict({"mask": torch.ones(2, 3)}, batch_size=[2])), is_batch(torch.ones(2))
+        (True, False)
     """
     return isinstance(x, TensorDictBase) or is_tensorclass(x)
 
@@ -121,6 +127,15 @@ def batch_args(fn):
 
     Returns:
         The wrapped function, with ``fn``'s name, docstring and signature.
+
+    Example:
+        >>> import torch
+        >>> @batch_args
+        ... def total(log_probs, mask, *, scale=1.0):
+        ...     return scale * (log_probs * mask).sum()
+        >>> batch = Batch(log_probs=torch.ones(2, 2), mask=torch.ones(2, 2), batch_size=[2])
+        >>> total(batch, scale=2.0), total(torch.ones(2, 2), torch.ones(2, 2))
+        (tensor(8.), tensor(4.))
     """
     signature = inspect.signature(fn)
     tensor_params = [

@@ -235,6 +235,13 @@ def decode_completions(tokenizer: Any, batch: Batch) -> tuple[list[str], list[li
     Returns:
         ``(completions, completion_ids)``: B strings (special tokens skipped) and B lists of
         the counted token ids (stop token included).
+
+    Example:
+        >>> from torchforge.demo import char_tokenizer
+        >>> tokens = torch.tensor([[8, 4, 2, 2], [5, 5, 5, 5]])   # "40<eos><pad>", "1111"
+        >>> mask, _ = completion_mask(tokens, [2])
+        >>> decode_completions(char_tokenizer(), Batch(tokens=tokens, mask=mask, batch_size=[2]))
+        (['40', '1111'], [[8, 4, 2], [5, 5, 5, 5]])
     """
     # the mask is a prefix of each row: cut the rows at their lengths
     ids = [row[:n] for row, n in zip(batch.tokens.tolist(), batch.mask.sum(-1).tolist())]
@@ -296,6 +303,15 @@ def policy_log_probs(
     Returns:
         ``(log_probs, entropy)``: float32 [B, T] (with grad when grad is enabled), and
         float32 [B, T] or None.
+
+    Example:
+        >>> from torchforge.demo import char_tokenizer, tiny_llama
+        >>> tokenizer = char_tokenizer()
+        >>> model = tiny_llama(tokenizer)
+        >>> batch = rollout(model, tokenizer, ["12="], num_generations=2, max_new_tokens=3, seed=0)
+        >>> log_probs, entropy = policy_log_probs(model, batch, return_entropy=True)
+        >>> log_probs.shape == batch.tokens.shape, bool((entropy >= 0).all())
+        (True, True)
     """
     inner = unwrap_model(model)
     decoder, head = inner.get_decoder(), inner.get_output_embeddings()
@@ -378,6 +394,11 @@ def micro_batches(batch: Batch, size: int) -> Iterator[Batch]:
 
     Returns:
         An iterator of Batch views.
+
+    Example:
+        >>> batch = Batch(mask=torch.ones(5, 2, dtype=torch.bool), batch_size=[5])
+        >>> [part.batch_size[0] for part in micro_batches(batch, 2)]
+        [2, 2, 1]
     """
     if not (isinstance(size, int) and size >= 1):
         raise InvalidArgumentError(f"micro_batches: size must be an int >= 1, got {size!r}")
@@ -409,6 +430,14 @@ def accumulate_gradients(
         ``(loss, metrics)``: the step's loss on this rank (the sum over micro-batches,
         detached) and, per metric, its token-weighted sum over micro-batches divided by
         this rank's tokens (local means; reduce across ranks as sums for logging).
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.tensor(2.0))
+        >>> batch = Batch(mask=torch.tensor([[True, True], [True, False]]), batch_size=[2])
+        >>> loss_fn = lambda part, agg: (agg(w * part.mask.float(), part.mask), {})
+        >>> loss, _ = accumulate_gradients(list(micro_batches(batch, 1)), loss_fn)
+        >>> loss, w.grad   # token-mean over the 3 tokens of both micro-batches: 2 * 3 / 3
+        (tensor(2.), tensor(1.))
     """
     num_tokens, num_sequences = global_counts([p.mask for p in parts])
     aggregation = Aggregation(mode, num_tokens=num_tokens, num_sequences=num_sequences,
@@ -443,6 +472,12 @@ def optimizer_step(
 
     Returns:
         The gradient norm before clipping (over all ranks' shards).
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> w.grad = torch.tensor([3.0, 4.0])
+        >>> optimizer_step([w], torch.optim.SGD([w], lr=0.1), max_grad_norm=1.0)
+        5.0
     """
     params = [p for p in parameters if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, math.inf if max_grad_norm is None else max_grad_norm)
