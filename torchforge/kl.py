@@ -182,6 +182,8 @@ class _ExactKL(torch.autograd.Function):
         ctx.masked_rows = torch.isnan(out).nonzero().squeeze(-1)
         for rows in _chunks(ctx.masked_rows, chunk_size):
             out[rows] = _kl_rows(logits[rows], ref_logits[rows], temperature, dtype, masked=True)
+        # a KL near 0 can sum to a rounding residue below 0 (-4e-18 seen); KL >= 0 exactly
+        out.clamp_(min=0.0)
         ctx.save_for_backward(logits, ref_logits, out)
         ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
         return out
