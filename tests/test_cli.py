@@ -93,10 +93,13 @@ def test_bad_settings_exit_2_with_the_reason(argv, message, capsys):
 
 def test_settings_parse_as_yaml_values(tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text("learning_rate: 1.0e-3\nmax_steps: 5\n")
-    values = load_run_config(str(config), ["max_steps=7", "clip_high=0.28", "stop_token_ids=[5, 6]", "max_grad_norm=null"])
+    config.write_text("learning_rate: 1e-3\nmax_steps: 5\noutput_dir: 1e3run\n")
+    values = load_run_config(str(config), ["max_steps=7", "clip_high=0.28", "stop_token_ids=[5, 6]",
+                                           "max_grad_norm=null", "warmup_steps=1e1", "reward_weights=[1e-1, 2]"])
+    # 1e-3 is a string to YAML 1.1: read as the float it means (but not a name like "1e3run")
     assert values == {"learning_rate": 1e-3, "max_steps": 7, "clip_high": 0.28, "stop_token_ids": [5, 6],
-                      "max_grad_norm": None}
+                      "max_grad_norm": None, "warmup_steps": 10.0, "reward_weights": [0.1, 2],
+                      "output_dir": "1e3run"}
 
 
 def test_import_object():

@@ -20,6 +20,7 @@ import importlib
 import inspect
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -33,13 +34,27 @@ __all__ = ["main", "load_run_config", "import_object"]
 _RUN_KEYS = ("model", "dataset", "reward_functions", "distributed")
 
 
+_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$")
+
+
+def _numbers(value: Any) -> Any:
+    """YAML 1.1 reads ``1e-3`` as a string (it wants ``1.0e-3``); read it as the float it is."""
+    if isinstance(value, str) and _FLOAT.match(value):
+        return float(value)
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    return value
+
+
 def _parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise InvalidArgumentError(f"torchforge train: {pair!r} is not key=value; expected e.g. max_steps=100")
-        out[key.strip()] = yaml.safe_load(value)  # "3e-3" -> float, "null" -> None, "[1, 2]" -> list
+        out[key.strip()] = yaml.safe_load(value)  # "0.5" -> float, "null" -> None, "[1, 2]" -> list
     return out
 
 
@@ -61,7 +76,7 @@ def load_run_config(path: str | None, overrides: Sequence[str] = ()) -> dict[str
             raise InvalidArgumentError(f"torchforge train: {path} holds a {type(loaded).__name__}; expected a mapping")
         values.update(loaded)
     values.update(_parse_overrides(overrides))
-    return values
+    return _numbers(values)
 
 
 def import_object(path: str) -> Any:

@@ -171,7 +171,7 @@ def demo_config(**overrides: Any) -> RLConfig:
         10
     """
     values = dict(
-        algorithm="grpo", learning_rate=3e-3, num_generations=8, prompts_per_step=16,
+        algorithm="grpo", learning_rate=1e-3, num_generations=8, prompts_per_step=16,
         max_completion_length=4, kl_coef=0.0, mixed_precision="fp32", gradient_checkpointing=False,
         max_steps=300, save_steps=100, logging_steps=1,
     )

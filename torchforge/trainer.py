@@ -372,6 +372,8 @@ class RLTrainer:
         out["frac_reward_zero_std"] = total["_zero_std"] / total["_sequences"]
         n_tokens = max(total["_tokens"], 1.0)
         for key in loss_metrics:
+            if key == "kl" and self.ref_model is None:
+                continue  # no reference policy: a KL of 0 would be a made-up number
             out[key] = total[f"tok/{key}"] / n_tokens
         out["loss"] = total["_loss"] / world_size()
         out["completions/mean_length"] = total["completions/_length_sum"] / total["_sequences"]
