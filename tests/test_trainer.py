@@ -348,3 +348,11 @@ def test_reinforce_pp_prepare_equals_the_primitive_in_one_process(tmp_path, base
         scores = group_advantages(scores, group_size=4, scale="none")
     scores = kl_penalized_rewards(scores, batch.old_log_probs, batch.ref_log_probs, batch.mask, kl_coef=0.05)
     torch.testing.assert_close(batch.advantages, reinforce_pp_advantages(scores, batch.mask), rtol=1e-5, atol=1e-6)
+
+
+def test_distributed_config_activation_checkpointing_wraps_the_blocks(tmp_path):
+    trainer = RLTrainer(config=small_config(tmp_path, gradient_checkpointing=False),
+                        distributed_config=DistributedConfig(strategy="none", activation_checkpointing=True))
+    wrapped = [m for m in trainer.model.modules() if type(m).__name__ == "CheckpointWrapper"]
+    assert len(wrapped) == 2  # both decoder blocks
+    assert math.isfinite(trainer.train_step(0)["loss"])

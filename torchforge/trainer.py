@@ -195,7 +195,9 @@ class RLTrainer:
                 raise InvalidArgumentError(f"{fn}: gradient_checkpointing=True but {type(model).__name__} cannot "
                                            "enable it; expected a Hugging Face model, or gradient_checkpointing=False")
         shard_kwargs = dict(strategy=self.strategy, sharding_strategy=dist_cfg.sharding_strategy,
-                            mixed_precision="bf16" if bf16 and self.strategy == "fsdp" else None)
+                            mixed_precision="bf16" if bf16 and self.strategy == "fsdp" else None,
+                            # the model's own checkpointing (above) already covers the policy
+                            activation_checkpointing=dist_cfg.activation_checkpointing and not config.gradient_checkpointing)
         self.model = shard(model, **shard_kwargs)
         if self.ref_model is not None and self.strategy == "fsdp":
             self.ref_model = shard(self.ref_model, **shard_kwargs)
