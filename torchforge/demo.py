@@ -38,7 +38,8 @@ def char_tokenizer(characters: str = CHARACTERS, *, pad_token: bool = True) -> P
             many base-model tokenizers do), which the loop must handle.
 
     Returns:
-        A ``PreTrainedTokenizerFast``; ``decode`` concatenates characters without spaces.
+        A ``PreTrainedTokenizerFast`` that pads on the left (as prompts for ``generate``
+        need); ``decode`` concatenates characters without spaces.
 
     Example:
         >>> tokenizer = char_tokenizer()
@@ -53,7 +54,7 @@ def char_tokenizer(characters: str = CHARACTERS, *, pad_token: bool = True) -> P
     backend.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
-        pad_token="<pad>" if pad_token else None,
+        pad_token="<pad>" if pad_token else None, padding_side="left",  # prompts for generate
     )
 
 
