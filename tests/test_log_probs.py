@@ -275,6 +275,48 @@ def test_bf16_logits():
     torch.testing.assert_close(grad.double(), ref, rtol=1e-2, atol=1e-2)  # bf16 rounding of the gradient
 
 
+@SETTINGS
+@given(B=st.integers(1, 3), T=st.integers(1, 5), V=st.integers(2, 40), seed=st.integers(0, 10_000),
+       temperature=st.sampled_from([1.0, 0.7]), chunk_size=st.sampled_from([None, 1, 3]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_values_and_gradients_match_float64_autograd(B, T, V, seed, temperature, chunk_size, dtype):
+    # Every code path of the chunk loops (logits read in place, converted into the chunk
+    # buffer, divided by the temperature there; softmax in the gradient's rows or in the
+    # buffer) against plain float64 autograd on the same (exactly representable) values.
+    logits, tokens = _logits(seed, B, T, V, dtype=dtype)
+    g = torch.randn(2, B, T, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    x = logits.clone().requires_grad_()
+    lp = token_log_probs(x, tokens, temperature=temperature, chunk_size=chunk_size)
+    ent = token_entropy(x, temperature=temperature, chunk_size=chunk_size)
+    (grad_lp,) = torch.autograd.grad((lp * g[0].float()).sum(), x)
+    (grad_ent,) = torch.autograd.grad((ent * g[1].float()).sum(), x)
+
+    y = logits.double().requires_grad_()
+    log_p = torch.log_softmax(y / temperature, dim=-1)
+    ref_lp = log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(log_p.exp() * log_p).sum(-1)
+    (ref_grad_lp,) = torch.autograd.grad((ref_lp * g[0]).sum(), y, retain_graph=True)
+    (ref_grad_ent,) = torch.autograd.grad((ref_ent * g[1]).sum(), y)
+    # float32 maths on the exact values: float32 accuracy; bf16 gradients are rounded to bf16
+    torch.testing.assert_close(lp.double(), ref_lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent.detach(), rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert grad_lp.dtype == grad_ent.dtype == dtype
+    torch.testing.assert_close(grad_lp.double(), ref_grad_lp, rtol=tol, atol=tol)
+    torch.testing.assert_close(grad_ent.double(), ref_grad_ent, rtol=tol, atol=tol)
+
+
+def test_target_logit_minus_inf():
+    # A target whose logit is -inf (masked out): log-prob -inf; the gradient is still
+    # (onehot - p) * grad, finite: p = softmax over the finite logits, here (1/4, 3/4, 0).
+    logits = torch.tensor([[[0.0, LN3, -math.inf]]], requires_grad=True)
+    tokens = torch.tensor([[2]])
+    out = token_log_probs(logits, tokens)
+    assert out.item() == -math.inf
+    (grad,) = torch.autograd.grad(out.sum(), logits)
+    torch.testing.assert_close(grad, torch.tensor([[[-0.25, -0.75, 1.0]]]), rtol=0, atol=1e-6)
+
+
 def test_bf16_fused(monkeypatch):
     monkeypatch.setattr(log_probs_module, "_FUSED_BACKWARD_ROWS", 8)  # float32 accumulation across blocks
     hidden, weight, bias, tokens = _head(4, 2, 10, 16, 64, dtype=torch.bfloat16)
@@ -430,6 +472,23 @@ def test_memory_token_log_probs_and_entropy():
     peak = _peak_allocated_bytes(lambda: torch.autograd.grad(token_log_probs(x, tokens, chunk_size=16).sum(), x))
     chunk_bytes = 16 * V * 4
     assert x.numel() * 2 <= peak <= x.numel() * 2 + 4 * chunk_bytes, peak / (x.numel() * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_memory_forward_one_chunk_buffer(dtype, temperature):
+    # Without grad (old / reference log-probs) the forward allocates one [chunk_size, V]
+    # float32 buffer, reused by every chunk: a bf16 chunk is converted into it and its
+    # log-softmax (softmax) computed there in place, not in a second buffer.
+    B, T, V, chunk = 4, 128, 4096, 16
+    logits, tokens = _logits(0, B, T, V, dtype=dtype)
+    chunk_bytes = chunk * V * 4
+    small = 64 * 1024  # the [B, T] outputs and per-chunk index temporaries
+    with torch.no_grad():
+        for fn in (lambda: token_log_probs(logits, tokens, temperature=temperature, chunk_size=chunk),
+                   lambda: token_entropy(logits, temperature=temperature, chunk_size=chunk)):
+            peak = _peak_allocated_bytes(fn)
+            assert peak <= chunk_bytes + small, peak / chunk_bytes
 
 
 def test_memory_fused_never_builds_logits():

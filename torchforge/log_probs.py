@@ -40,10 +40,11 @@ __all__ = [
     "FUSED_CHUNK_ELEMENTS",
 ]
 
-# Default chunk of token_log_probs / token_entropy: about 4M logits (16 MB in float32), so
-# that a chunk and its float32 temporaries stay in the L3 cache while each kernel still
-# gets enough work to amortize its start (which matters on a busy machine).
-LOGITS_CHUNK_ELEMENTS = 1 << 22
+# Default chunk of token_log_probs / token_entropy: about 8M logits, one 32 MB float32
+# buffer reused by every chunk. Few chunks matter more than cache fit on a CPU shared with
+# other jobs: every kernel ends with a barrier of its threads, and a barrier costs up to a
+# scheduler time slice when one of them has been descheduled.
+LOGITS_CHUNK_ELEMENTS = 1 << 23
 # Default logits tile of fused_token_log_probs: about 8M logits (32 MB in float32), big
 # enough for the matmuls to run at full speed.
 FUSED_CHUNK_ELEMENTS = 1 << 23
@@ -127,11 +128,25 @@ def _chunks(x: torch.Tensor, chunk_size: int):
             yield slice(first + start, first + stop), seg[start:stop]
 
 
-def _scaled(chunk: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    """``chunk / temperature`` in ``dtype`` (``chunk`` itself when there is nothing to do)."""
-    if temperature != 1.0:
-        return chunk.to(dtype).div_(temperature) if chunk.dtype != dtype else chunk / temperature
-    return chunk.to(dtype)
+def _scaled_into(buf: torch.Tensor, chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``z = chunk / temperature`` in ``buf``'s dtype: ``chunk`` itself when it already is
+    (compute dtype, temperature 1), else written into ``buf`` (same shape) and returned.
+    A bf16 chunk is converted first and never divided in bf16."""
+    if chunk.dtype == buf.dtype:
+        return chunk if temperature == 1.0 else torch.div(chunk, temperature, out=buf)
+    buf.copy_(chunk)
+    return buf.div_(temperature) if temperature != 1.0 else buf
+
+
+def _chunk_buffer(x: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """One [chunk_size, V] buffer in ``dtype``, reused by every chunk of ``x`` [B, T, V]."""
+    B, T, V = x.shape
+    return torch.empty((max(1, min(chunk_size, B * T)), V), dtype=dtype, device=x.device)
+
+
+def _default_chunk_size(x: torch.Tensor) -> int:
+    """Rows per chunk of the [B, T, V] ``x``: about LOGITS_CHUNK_ELEMENTS logits."""
+    return max(1, LOGITS_CHUNK_ELEMENTS // x.shape[-1])
 
 
 # ----------------------------------------------------------------------------------------
@@ -141,9 +156,12 @@ def _scaled(chunk: torch.Tensor, temperature: float, dtype: torch.dtype) -> torc
 class _TokenLogProbs(torch.autograd.Function):
     """``log_softmax(z)[tok]`` with ``z = logits / temperature``, row chunk by row chunk.
 
-    Saves the logits (the input itself, no copy) and the tokens; the backward recomputes
-    ``softmax(z)`` one chunk at a time and writes ``(onehot - softmax(z)) * grad /
-    temperature`` straight into the [N, V] gradient.
+    Forward, per chunk: ``log_softmax(z)`` into one [chunk, V] buffer reused by every chunk
+    (a bf16 chunk is first converted into it, float32 logits at temperature 1 are read
+    where they are), then ``log_p[tok]`` gathered. Saves the logits (the input itself, no
+    copy) and the tokens; the backward recomputes ``softmax(z)`` one chunk at a time and
+    writes ``(onehot - softmax(z)) * grad / temperature`` into the [N, V] gradient, in the
+    gradient's own rows when it has the compute dtype.
     """
 
     @staticmethod
@@ -151,9 +169,11 @@ class _TokenLogProbs(torch.autograd.Function):
         B, T, V = logits.shape
         flat_tokens = tokens.reshape(B * T, 1)
         out = torch.empty((B * T, 1), dtype=dtype, device=logits.device)
+        buf = _chunk_buffer(logits, chunk_size, dtype)
         for rows, chunk in _chunks(logits, chunk_size):
-            z = _scaled(chunk, temperature, dtype)
-            log_p = torch.log_softmax(z, dim=-1, dtype=dtype)
+            b = buf[: chunk.shape[0]]
+            z = _scaled_into(b, chunk, temperature)
+            log_p = torch.log_softmax(z, dim=-1, out=b)  # in place when z is the buffer
             torch.gather(log_p, -1, flat_tokens[rows], out=out[rows])
         ctx.save_for_backward(logits, flat_tokens)
         ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
@@ -170,15 +190,17 @@ class _TokenLogProbs(torch.autograd.Function):
         neg_scale = scale.neg()
         grad = torch.empty((B, T, V), dtype=logits.dtype, device=logits.device)
         flat_grad = grad.view(B * T, V)
+        # float32 (float64) logits: the maths runs in the gradient's rows themselves;
+        # otherwise in one float32 chunk buffer, cast once into the gradient.
+        buf = _chunk_buffer(logits, chunk_size, dtype) if grad.dtype != dtype else None
         for rows, chunk in _chunks(logits, chunk_size):
-            z = _scaled(chunk, temperature, dtype)
-            p = torch.softmax(z, dim=-1, dtype=dtype)
-            if grad.dtype == dtype:  # finish the chunk in the gradient buffer itself
-                g = torch.mul(p, neg_scale[rows], out=flat_grad[rows])
-                g.scatter_add_(-1, flat_tokens[rows], scale[rows])
-            else:  # float32 chunk, cast once into the gradient buffer
-                p.mul_(neg_scale[rows]).scatter_add_(-1, flat_tokens[rows], scale[rows])
-                flat_grad[rows].copy_(p)
+            g = flat_grad[rows]
+            b = g if buf is None else buf[: chunk.shape[0]]
+            z = _scaled_into(b, chunk, temperature)
+            p = torch.softmax(z, dim=-1, out=b)  # in place when z is b
+            p.mul_(neg_scale[rows]).scatter_add_(-1, flat_tokens[rows], scale[rows])
+            if buf is not None:
+                g.copy_(p)
         return grad, None, None, None, None
 
 
@@ -206,7 +228,7 @@ def token_log_probs(
         tokens: [B, T] integer token ids in ``[0, V)``.
         temperature: > 0; the logits are divided by it first, as in sampling, so that
             training sees the distribution the samples were drawn from.
-        chunk_size: rows (positions) per chunk; default about 4M logits per chunk
+        chunk_size: rows (positions) per chunk; default about 8M logits per chunk
             (``LOGITS_CHUNK_ELEMENTS // V``). The result does not depend on it.
 
     Returns:
@@ -224,11 +246,14 @@ def token_log_probs(
         in PPO for language models: Ouyang et al., https://arxiv.org/abs/2203.02155
 
     Note:
-        Memory: no [B, T, V] log-softmax and no float32 copy of bf16 logits is made
-        (only one chunk at a time); the forward saves nothing but its inputs (the logits
-        are not copied), the backward recomputes the softmax chunk by chunk and allocates
-        one [B, T, V] buffer, the gradient of the logits (in their dtype). TRL and verl compute the same quantity as
-        ``logits.gather - logsumexp`` with a Python loop over the rows of the batch.
+        Memory: no [B, T, V] log-softmax and no float32 copy of bf16 logits is made:
+        each pass works in one [chunk_size, V] buffer in the compute dtype, allocated once
+        and reused by every chunk (float32 logits' softmax in the backward is written
+        straight into the gradient). The forward saves nothing but its inputs (the logits
+        are not copied); the backward recomputes the softmax chunk by chunk and allocates
+        one [B, T, V] buffer, the gradient of the logits (in their dtype). TRL and verl
+        compute the same quantity as ``logits.gather - logsumexp`` with a Python loop over
+        the rows of the batch.
     """
     fn = "token_log_probs"
     check_tensor(fn, "logits", logits, ndim=3)
@@ -240,8 +265,7 @@ def token_log_probs(
             f"{fn}: tokens is on {tokens.device} but logits is on {logits.device}; expected the same device"
         )
     temperature = _check_temperature(fn, temperature)
-    V = logits.shape[-1]
-    chunk_size = _check_chunk_size(fn, chunk_size, max(1, LOGITS_CHUNK_ELEMENTS // V))
+    chunk_size = _check_chunk_size(fn, chunk_size, _default_chunk_size(logits))
     dtype = _compute_dtype(logits.dtype)
     return _TokenLogProbs.apply(logits, tokens.long(), temperature, chunk_size, dtype)
 
@@ -262,9 +286,11 @@ class _TokenEntropy(torch.autograd.Function):
     def forward(ctx, logits, temperature, chunk_size, dtype):
         B, T, V = logits.shape
         out = torch.empty(B * T, dtype=dtype, device=logits.device)
+        buf = _chunk_buffer(logits, chunk_size, dtype)
         for rows, chunk in _chunks(logits, chunk_size):
-            z = _scaled(chunk, temperature, dtype)
-            p = torch.softmax(z, dim=-1, dtype=dtype)
+            b = buf[: chunk.shape[0]]
+            z = _scaled_into(b, chunk, temperature)
+            p = torch.softmax(z, dim=-1, out=b)
             torch.sum(torch.special.entr(p, out=p), dim=-1, out=out[rows])  # entr = -p log p
         ctx.save_for_backward(logits, out)
         ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
@@ -280,15 +306,19 @@ class _TokenEntropy(torch.autograd.Function):
         ent = entropy.unsqueeze(-1)
         grad = torch.empty((B, T, V), dtype=logits.dtype, device=logits.device)
         flat_grad = grad.view(B * T, V)
+        buf = _chunk_buffer(logits, chunk_size, dtype)  # p
+        # p (log p + H), in the gradient's rows when they have the compute dtype
+        buf_t = _chunk_buffer(logits, chunk_size, dtype) if grad.dtype != dtype else None
         for rows, chunk in _chunks(logits, chunk_size):
-            z = _scaled(chunk, temperature, dtype)
-            p = torch.softmax(z, dim=-1, dtype=dtype)
+            g = flat_grad[rows]
+            b = buf[: chunk.shape[0]]
+            z = _scaled_into(b, chunk, temperature)
+            p = torch.softmax(z, dim=-1, out=b)
             # p (log p + H) = xlogy(p, p) + p H
-            t = torch.xlogy(p, p).addcmul_(p, ent[rows])
-            if grad.dtype == dtype:
-                torch.mul(t, neg_scale[rows], out=flat_grad[rows])
-            else:
-                flat_grad[rows].copy_(t.mul_(neg_scale[rows]))
+            t = torch.xlogy(p, p, out=g if buf_t is None else buf_t[: chunk.shape[0]])
+            t.addcmul_(p, ent[rows]).mul_(neg_scale[rows])
+            if buf_t is not None:
+                g.copy_(t)
         return grad, None, None, None
 
 
@@ -310,7 +340,7 @@ def token_entropy(
     Args:
         logits: [B, T, V] float logits (any float dtype).
         temperature: > 0; the logits are divided by it first.
-        chunk_size: rows (positions) per chunk; default about 4M logits per chunk. The
+        chunk_size: rows (positions) per chunk; default about 8M logits per chunk. The
             result does not depend on it.
 
     Returns:
@@ -336,8 +366,7 @@ def token_entropy(
     check_float(fn, "logits", logits)
     _check_vocab(fn, "logits", logits, -1)
     temperature = _check_temperature(fn, temperature)
-    V = logits.shape[-1]
-    chunk_size = _check_chunk_size(fn, chunk_size, max(1, LOGITS_CHUNK_ELEMENTS // V))
+    chunk_size = _check_chunk_size(fn, chunk_size, _default_chunk_size(logits))
     return _TokenEntropy.apply(logits, temperature, chunk_size, _compute_dtype(logits.dtype))
 
 
@@ -345,13 +374,23 @@ def token_entropy(
 # fused_token_log_probs
 # ----------------------------------------------------------------------------------------
 
-def _logits_tile(hidden, weight, bias, temperature, dtype):
-    """``(hidden @ weight.T + bias) / temperature`` [n, v] in ``dtype`` (a fresh tensor)."""
+def _logits_tile(hidden, weight, bias, temperature, z, mm=None):
+    """``(hidden @ weight.T + bias) / temperature`` [n, v] written into ``z`` (a [n, v]
+    buffer in the compute dtype) and returned; ``mm`` is a [n, v] buffer in the inputs'
+    dtype for the matmul when it differs from ``z``'s (bf16 inputs), else None."""
+    target = z if mm is None else mm
     if bias is None:
-        logits = hidden @ weight.t()
+        torch.mm(hidden, weight.t(), out=target)
     else:
-        logits = torch.addmm(bias, hidden, weight.t())
-    return _scaled(logits, temperature, dtype)  # a fresh tensor: may be written to
+        torch.addmm(bias, hidden, weight.t(), out=target)
+    if mm is not None:
+        z.copy_(mm)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _tile(flat: torch.Tensor | None, n: int, v: int) -> torch.Tensor | None:
+    """The first ``n * v`` elements of the flat buffer ``flat`` as a contiguous [n, v]."""
+    return None if flat is None else flat[: n * v].view(n, v)
 
 
 class _FusedTokenLogProbs(torch.autograd.Function):
@@ -371,15 +410,22 @@ class _FusedTokenLogProbs(torch.autograd.Function):
         out = torch.empty(N, dtype=dtype, device=hidden.device)
         entropy = torch.empty(N, dtype=dtype, device=hidden.device) if with_entropy else None
         tok = tokens.unsqueeze(-1)
+        # one logits tile buffer (and one for the bf16 matmul), reused by every chunk
+        n_max = min(N, chunk_size)
+        z_flat = torch.empty(n_max * V, dtype=dtype, device=hidden.device)
+        mm_flat = torch.empty(n_max * V, dtype=hidden.dtype, device=hidden.device) if hidden.dtype != dtype else None
         for start in range(0, N, chunk_size):
             rows = slice(start, start + chunk_size)
-            z = _logits_tile(hidden[rows], weight, bias, temperature, dtype)
-            log_p = torch.log_softmax(z, dim=-1)
+            h = hidden[rows]
+            n = h.shape[0]
+            z = _logits_tile(h, weight, bias, temperature, _tile(z_flat, n, V), _tile(mm_flat, n, V))
+            torch.gather(z, -1, tok[rows], out=lse[rows].unsqueeze(-1))  # z[tok], before z is overwritten
+            log_p = torch.log_softmax(z, dim=-1, out=z)
             torch.gather(log_p, -1, tok[rows], out=out[rows].unsqueeze(-1))
-            # logsumexp(z) = z[tok] - log_p[tok], kept for the backward
-            torch.sub(z.gather(-1, tok[rows]).squeeze(-1), out[rows], out=lse[rows])
             if with_entropy:
-                torch.sum(torch.special.entr(log_p.exp_()), dim=-1, out=entropy[rows])  # entr = -p log p
+                p = log_p.exp_()
+                torch.sum(torch.special.entr(p, out=p), dim=-1, out=entropy[rows])  # entr = -p log p
+        lse.sub_(out)  # logsumexp(z) = z[tok] - log_p[tok], kept for the backward
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, entropy)
         ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
         ctx.set_materialize_grads(False)  # an unused output gets None: skip its maths
@@ -413,6 +459,12 @@ class _FusedTokenLogProbs(torch.autograd.Function):
         g_lp = grad_lp.to(dtype) if grad_lp is not None else torch.zeros(N, dtype=dtype, device=hidden.device)
         g_ent = grad_ent.to(dtype) if (grad_ent is not None and entropy is not None) else None
         neg_lse = lse.neg().unsqueeze(-1)
+        # tile buffers reused by every tile: logits / grad_z, the bf16 matmul and the bf16
+        # grad_z, and p when the entropy has a gradient
+        tile_elements = rows_per_tile * cols_per_tile
+        z_flat = torch.empty(tile_elements, dtype=dtype, device=device)
+        mm_flat = torch.empty(tile_elements, dtype=in_dtype, device=device) if in_dtype != dtype else None
+        p_flat = torch.empty(tile_elements, dtype=dtype, device=device) if g_ent is not None else None
         for r0 in range(0, N, rows_per_tile):
             rows = slice(r0, r0 + rows_per_tile)
             h = hidden[rows]
@@ -423,14 +475,15 @@ class _FusedTokenLogProbs(torch.autograd.Function):
                 cols = slice(c0, c0 + cols_per_tile)
                 w = weight[cols]
                 b = bias[cols] if bias is not None else None
-                z = _logits_tile(h, w, b, temperature, dtype)
+                n, c = h.shape[0], w.shape[0]
+                z = _logits_tile(h, w, b, temperature, _tile(z_flat, n, c), _tile(mm_flat, n, c))
                 # grad_z = g_lp (onehot - p) - g_ent p (log p + H), then / temperature
                 if ent_scale is None:
                     p = z.add_(neg_lse[rows]).exp_()
                     grad_z = p.mul_(lp_scale.neg())
                 else:
                     log_p = z.clamp_(min=torch.finfo(dtype).min).add_(neg_lse[rows])
-                    p = log_p.exp()
+                    p = torch.exp(log_p, out=_tile(p_flat, n, c))
                     grad_z = log_p.add_(entropy[rows].unsqueeze(-1)).mul_(ent_scale).add_(lp_scale).mul_(p).neg_()
                 # + g_lp at the target token, for the rows whose target is in this slice
                 local = tok - c0
@@ -441,7 +494,7 @@ class _FusedTokenLogProbs(torch.autograd.Function):
                     grad_z.div_(temperature)
                 if need_bias:
                     grad_bias[cols] += grad_z.sum(0)
-                gz = grad_z.to(in_dtype)
+                gz = grad_z if mm_flat is None else _tile(mm_flat, n, c).copy_(grad_z)
                 if need_hidden:
                     if grad_hidden.dtype == in_dtype:
                         grad_hidden[rows].addmm_(gz, w)
@@ -517,7 +570,8 @@ def fused_token_log_probs(
         needs a scalar loss; here the output is per token, so its gradient is only known
         in the backward. bf16 inputs: matmuls run in bf16, the softmax maths in float32
         per tile, and gradients that are sums over tiles are accumulated in float32.
-        Memory: a few float32 tiles of ``chunk_size * V`` logits, the [B, T] logsumexp
+        Memory: a few tile buffers of ``chunk_size * V`` logits (allocated once per
+        call and reused by every tile), the [B, T] logsumexp
         and entropy, and for bf16 inputs with more than ``_FUSED_BACKWARD_ROWS`` (4096)
         positions one float32 [V, H] accumulator for the weight gradient. Gradients are
         computed only for the inputs that require them (a frozen head costs no
