@@ -18,7 +18,6 @@ Conventions shared by every function here:
 
 from __future__ import annotations
 
-import math
 
 import torch
 
