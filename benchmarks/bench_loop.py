@@ -82,8 +82,8 @@ from torch import nn
 
 import torchforge
 from torchforge import RLTrainer
-from torchforge.demo import CopyDigitsReward, char_tokenizer, copy_digits_dataset, demo_config, tiny_llama
-from torchforge.tracking import MetricsLogger
+from torchforge.trainer.demo import CopyDigitsReward, char_tokenizer, copy_digits_dataset, demo_config, tiny_llama
+from torchforge.trainer.tracking import MetricsLogger
 
 try:
     import trl
@@ -441,8 +441,8 @@ _MISSING = object()
 
 def phase_breakdown(setting, steps, tokenizer, dataset, workdir) -> list[tuple[str, float, float]]:
     """Median CPU ms per step and phase, torchforge vs the hand-written loop (steps interleaved)."""
-    import torchforge.sampling
-    import torchforge.trainer
+    import torchforge.loop.sampling
+    import torchforge.trainer.trainer
 
     torch.manual_seed(0)
     tf, hw = Torchforge(tokenizer, dataset, setting, workdir), Handwritten(tokenizer, dataset, setting, workdir)
@@ -451,9 +451,9 @@ def phase_breakdown(setting, steps, tokenizer, dataset, workdir) -> list[tuple[s
             runner.step(timed=False)
     per: dict[tuple[str, str], list[float]] = {}
     with _Phases() as ph:
-        module = torchforge.trainer
+        module = torchforge.trainer.trainer
         ph.wrap(module, "rollout", "sampling")
-        ph.wrap(torchforge.sampling.SeededSampler, "__call__", "  seeded sampler (part of sampling)")
+        ph.wrap(torchforge.loop.sampling.SeededSampler, "__call__", "  seeded sampler (part of sampling)")
         ph.wrap(module, "decode_completions", "decode")
         ph.wrap(module, "score_rewards", "rewards")
         ph.wrap(module.RLTrainer, "_loss", "log-probs forward + loss")

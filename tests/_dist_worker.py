@@ -1,4 +1,4 @@
-"""Helpers shared by tests/test_distributed.py and tests/test_checkpoint.py, and the worker
+"""Helpers shared by tests/distributed/test_parallelize.py and tests/distributed/test_checkpoint.py, and the worker
 that those tests launch N times with torchrun's environment (RANK, WORLD_SIZE, ...).
 
 Run as ``python tests/_dist_worker.py OUT_DIR SCENARIO [SCENARIO ...]``; rank 0 writes the
@@ -91,7 +91,7 @@ def full_tensors(named) -> dict[str, torch.Tensor]:
     """Name -> full (gathered) detached CPU tensor; a collective for sharded DTensors."""
     from torch.distributed.tensor import DTensor
 
-    from torchforge.distributed import _clean_name
+    from torchforge.distributed.weight_sync import _clean_name
 
     out = {}
     for name, t in named:
@@ -219,7 +219,7 @@ def scenario_generate(out: Path) -> None:
 
 def scenario_checkpoint(out: Path) -> None:
     """FSDP2 + AdamW: step 1, save, step 2; then fresh objects load and redo step 2; export."""
-    from torchforge.checkpoint import export_pretrained, load_checkpoint, save_checkpoint
+    from torchforge.distributed.checkpoint import export_pretrained, load_checkpoint, save_checkpoint
     from torchforge.distributed import rank, shard, sync_weights, world_size
 
     batch = local_shard(global_batch(), rank(), world_size())
@@ -276,7 +276,7 @@ def scenario_checkpoint(out: Path) -> None:
 
 def scenario_resume(out: Path) -> None:
     """Load the 2-process checkpoint with this world size (DDP here), step 2, save params."""
-    from torchforge.checkpoint import load_checkpoint
+    from torchforge.distributed.checkpoint import load_checkpoint
     from torchforge.distributed import rank, shard, world_size
 
     batch = local_shard(global_batch(), rank(), world_size())
@@ -292,7 +292,7 @@ def scenario_resume(out: Path) -> None:
 
 def scenario_load_single(out: Path) -> None:
     """Load a checkpoint written by ONE process (``out/ckpt1``) into 2-process FSDP2."""
-    from torchforge.checkpoint import load_checkpoint
+    from torchforge.distributed.checkpoint import load_checkpoint
     from torchforge.distributed import rank, shard, world_size
 
     model = shard(tiny_llama(seed=7))

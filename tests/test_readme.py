@@ -7,7 +7,7 @@ import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
-# needs a real model folder and a user's dataset: shown for reading, run in tests/test_trainer.py
+# needs a real model folder and a user's dataset: shown for reading, run in tests/trainer/test_trainer.py
 # against the tiny local model (test_card_quick_start_runs_as_written)
 RUNNABLE = [b for b in BLOCKS if "path/to/local/model" not in b]
 

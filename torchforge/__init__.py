@@ -17,8 +17,6 @@ from torchforge.advantages import (
     rloo_advantages,
 )
 from torchforge.batch import Batch, batch_args, is_batch
-from torchforge.config import RLConfig
-from torchforge.checkpoint import export_pretrained, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from torchforge.corrections import (
     CORRECTION_LEVELS,
     overlong_penalty,
@@ -31,13 +29,18 @@ from torchforge.distributed import (
     STRATEGIES,
     DistributedConfig,
     barrier,
+    export_pretrained,
     generation_kwargs,
     global_counts,
     init_distributed,
     is_main_process,
     launch,
+    load_checkpoint,
     rank,
     reduce_metric_sums,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
     shard,
     sync_weights,
     teardown_distributed,
@@ -45,7 +48,13 @@ from torchforge.distributed import (
     whiten_over_ranks,
     world_size,
 )
-from torchforge.errors import DTypeError, InvalidArgumentError, MissingKeyError, ShapeError, TorchforgeError
+from torchforge.errors import (
+    DTypeError,
+    InvalidArgumentError,
+    MissingKeyError,
+    ShapeError,
+    TorchforgeError,
+)
 from torchforge.kl import KL_ESTIMATORS, approx_kl, exact_kl
 from torchforge.log_probs import (
     FUSED_CHUNK_ELEMENTS,
@@ -54,25 +63,33 @@ from torchforge.log_probs import (
     token_entropy,
     token_log_probs,
 )
-from torchforge.losses import RATIO_LEVELS, cispo_loss, grpo_loss, policy_ratio, ppo_loss, reinforce_loss, value_loss
-from torchforge.reduce import AGGREGATION_MODES, Aggregation, aggregate, masked_mean, masked_sum, masked_var, masked_whiten
-from torchforge.rewards import RewardError, RewardFunction, score_rewards
+from torchforge.losses import (
+    RATIO_LEVELS,
+    cispo_loss,
+    grpo_loss,
+    policy_ratio,
+    ppo_loss,
+    reinforce_loss,
+    value_loss,
+)
+from torchforge.reduce import (
+    AGGREGATION_MODES,
+    Aggregation,
+    aggregate,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
 
 # name -> module, imported on first access (they need transformers)
 _LAZY = {
-    "RLTrainer": "torchforge.trainer",
-    "Algorithm": "torchforge.algorithms",
-    "GRPO": "torchforge.algorithms",
-    "PPO": "torchforge.algorithms",
-    "REINFORCE": "torchforge.algorithms",
-    "rollout": "torchforge.loop",
-    "decode_completions": "torchforge.loop",
-    "completion_mask": "torchforge.loop",
-    "policy_log_probs": "torchforge.loop",
-    "ValueModel": "torchforge.loop",
-    "accumulate_gradients": "torchforge.loop",
-    "optimizer_step": "torchforge.loop",
-    "micro_batches": "torchforge.loop",
+    **dict.fromkeys(["RLTrainer", "RLConfig", "Algorithm", "GRPO", "PPO", "REINFORCE"], "torchforge.trainer"),
+    **dict.fromkeys([
+        "rollout", "decode_completions", "completion_mask", "policy_log_probs", "ValueModel",
+        "accumulate_gradients", "optimizer_step", "micro_batches",
+        "RewardFunction", "RewardError", "score_rewards",
+    ], "torchforge.loop"),
 }
 
 

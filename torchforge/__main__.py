@@ -2,6 +2,6 @@
 
 import sys
 
-from torchforge.cli import main
+from torchforge.trainer.cli import main
 
 sys.exit(main())

@@ -39,13 +39,13 @@ from torchforge.advantages import (
     rloo_advantages,
 )
 from torchforge.batch import Batch
-from torchforge.config import RLConfig
+from torchforge.distributed import whiten_over_ranks
 from torchforge.errors import TorchforgeError
 from torchforge.kl import approx_kl
 from torchforge.loop import ValueModel, micro_batches
 from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss, value_loss
-from torchforge.distributed import whiten_over_ranks
 from torchforge.reduce import Aggregation
+from torchforge.trainer.config import RLConfig
 
 __all__ = ["Algorithm", "GRPO", "PPO", "REINFORCE", "algorithm_from_name"]
 

@@ -270,7 +270,7 @@ def _trainer_history(run_dir):
 def test_trainer_on_two_processes_matches_one(tmp_path, strategy, algorithm):
     # Sampling is seeded per sample, so 2 processes draw the same completions as 1; with
     # exact aggregation the losses, KL and gradient norms are then those of one process.
-    from torchforge.cli import main
+    from torchforge.trainer.cli import main
 
     settings = ["max_steps=3", "prompts_per_step=4", "num_generations=4", "kl_coef=0.05", "progress_bar=false",
                 f"distributed_strategy={strategy}", "loss_aggregation=seq-mean-token-mean", f"algorithm={algorithm}"]

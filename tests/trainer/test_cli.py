@@ -8,8 +8,8 @@ import sys
 import pytest
 import yaml
 
-from torchforge.cli import import_object, load_run_config, main
-from torchforge.demo import char_tokenizer, copy_digits_dataset, tiny_llama
+from torchforge.trainer.cli import import_object, load_run_config, main
+from torchforge.trainer.demo import char_tokenizer, copy_digits_dataset, tiny_llama
 from torchforge.errors import InvalidArgumentError
 
 QUICK = ["max_steps=2", "prompts_per_step=4", "num_generations=4", "progress_bar=false"]
@@ -52,7 +52,7 @@ def test_a_real_run_from_a_config_file(tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({
         "model": str(tmp_path / "model"), "dataset": str(data),
-        "reward_functions": ["torchforge.demo.CopyDigitsReward", "tests.test_cli:length_reward"],
+        "reward_functions": ["torchforge.trainer.demo.CopyDigitsReward", "tests.trainer.test_cli:length_reward"],
         "algorithm": "grpo", "learning_rate": 1e-3, "max_completion_length": 5, "kl_coef": 0.0,
         "mixed_precision": "fp32", "gradient_checkpointing": False, "output_dir": str(tmp_path / "out"),
         "max_steps": 5,
@@ -65,7 +65,7 @@ def test_a_real_run_from_a_config_file(tmp_path, capsys):
 def test_a_datasets_folder_is_accepted(tmp_path):
     from datasets import Dataset
 
-    from torchforge.cli import _dataset
+    from torchforge.trainer.cli import _dataset
 
     Dataset.from_list(copy_digits_dataset(4)).save_to_disk(tmp_path / "ds")
     data = _dataset(str(tmp_path / "ds"))
@@ -103,10 +103,10 @@ def test_settings_parse_as_yaml_values(tmp_path):
 
 
 def test_import_object():
-    assert import_object("tests.test_cli.length_reward") is length_reward
-    assert import_object("tests.test_cli:length_reward") is length_reward
-    with pytest.raises(InvalidArgumentError, match=r"import_object: cannot import 'tests.test_cli.nothing'"):
-        import_object("tests.test_cli.nothing")
+    assert import_object("tests.trainer.test_cli.length_reward") is length_reward
+    assert import_object("tests.trainer.test_cli:length_reward") is length_reward
+    with pytest.raises(InvalidArgumentError, match=r"import_object: cannot import 'tests.trainer.test_cli.nothing'"):
+        import_object("tests.trainer.test_cli.nothing")
 
 
 def test_python_dash_m_runs_the_command(tmp_path):

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchforge.sampling import SeededSampler, hash_uniform, sample_keys
+from torchforge.loop.sampling import SeededSampler, hash_uniform, sample_keys
 
 N = 200_000
 

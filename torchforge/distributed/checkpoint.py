@@ -32,7 +32,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from torchforge.distributed import barrier, is_distributed, is_main_process, rank, unwrap_model, world_size
+from torchforge.distributed.parallelize import unwrap_model
+from torchforge.distributed.process_group import (
+    barrier,
+    is_distributed,
+    is_main_process,
+    rank,
+    world_size,
+)
 from torchforge.errors import TorchforgeError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "export_pretrained", "rng_state", "set_rng_state"]

@@ -1,4 +1,4 @@
-"""Tests of torchforge.checkpoint: single-process round trips, and checkpoints written by 2
+"""Tests of torchforge.distributed.checkpoint: single-process round trips, and checkpoints written by 2
 FSDP2 processes (gloo) resumed with 2 (FSDP2 and DDP) and with 1, plus the Hugging Face export."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests import _dist_worker as W
-from torchforge.checkpoint import export_pretrained, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from torchforge.distributed.checkpoint import export_pretrained, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from torchforge.errors import TorchforgeError
 
 

@@ -98,7 +98,7 @@ def import_object(path: str) -> Any:
 
 
 def _reward_functions(paths: Sequence[str]) -> list[Any]:
-    from torchforge.rewards import RewardFunction
+    from torchforge.loop.rewards import RewardFunction
 
     out = []
     for path in paths:
@@ -129,10 +129,10 @@ def build_trainer(values: dict[str, Any]):
     Returns:
         RLTrainer.
     """
-    from torchforge.config import RLConfig
-    from torchforge.demo import demo_config
     from torchforge.distributed import DistributedConfig
-    from torchforge.trainer import RLTrainer
+    from torchforge.trainer.config import RLConfig
+    from torchforge.trainer.demo import demo_config
+    from torchforge.trainer.trainer import RLTrainer
 
     run = {k: values.pop(k) for k in _RUN_KEYS if k in values}
     dist = DistributedConfig(**run["distributed"]) if run.get("distributed") else None
@@ -211,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot.add_argument("--out", help="PNG path")
     args = parser.parse_args(argv)
     if args.command == "plot":
-        from torchforge.plot import plot_run
+        from torchforge.trainer.plot import plot_run
 
         print(plot_run(args.run_dir, args.out))
         return 0

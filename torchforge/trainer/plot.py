@@ -6,7 +6,7 @@ import math
 import os
 from pathlib import Path
 
-from torchforge.tracking import read_metrics
+from torchforge.trainer.tracking import read_metrics
 
 __all__ = ["plot_run"]
 

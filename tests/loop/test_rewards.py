@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from torchforge.demo import CopyDigitsReward
+from torchforge.trainer.demo import CopyDigitsReward
 from torchforge.errors import InvalidArgumentError
-from torchforge.rewards import RewardError, RewardFunction, reward_name, score_rewards
+from torchforge.loop.rewards import RewardError, RewardFunction, reward_name, score_rewards
 
 PROMPTS = ["12=", "12=", "34="]
 COMPLETIONS = ["12", "1", "x"]

@@ -19,8 +19,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from torchforge.config import RLConfig
-from torchforge.rewards import RewardFunction
+from torchforge.loop.rewards import RewardFunction
+from torchforge.trainer.config import RLConfig
 
 __all__ = ["char_tokenizer", "tiny_llama", "copy_digits_dataset", "CopyDigitsReward", "demo_config"]
 

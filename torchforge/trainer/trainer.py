@@ -24,10 +24,7 @@ import torch
 import yaml
 from torch import nn
 
-from torchforge.algorithms import Algorithm, algorithm_from_name
 from torchforge.batch import Batch
-from torchforge.checkpoint import export_pretrained, load_checkpoint, save_checkpoint
-from torchforge.config import RLConfig
 from torchforge.corrections import zero_std_groups
 from torchforge.distributed import (
     DistributedConfig,
@@ -40,6 +37,11 @@ from torchforge.distributed import (
     shard,
     world_size,
 )
+from torchforge.distributed.checkpoint import (
+    export_pretrained,
+    load_checkpoint,
+    save_checkpoint,
+)
 from torchforge.errors import InvalidArgumentError, TorchforgeError
 from torchforge.loop import (
     accumulate_gradients,
@@ -50,9 +52,11 @@ from torchforge.loop import (
     policy_log_probs,
     rollout,
 )
+from torchforge.loop.rewards import score_rewards
 from torchforge.reduce import Aggregation
-from torchforge.rewards import score_rewards
-from torchforge.tracking import MetricsLogger
+from torchforge.trainer.algorithms import Algorithm, algorithm_from_name
+from torchforge.trainer.config import RLConfig
+from torchforge.trainer.tracking import MetricsLogger
 
 __all__ = ["RLTrainer"]
 
@@ -94,7 +98,7 @@ class RLTrainer:
         train_dataset: a ``datasets.Dataset`` or a sequence of dicts with a ``"prompt"``
             (a string, or a list of chat messages rendered with the tokenizer's chat
             template); the other fields reach the reward functions as keyword arguments.
-        algorithm: an :class:`~torchforge.algorithms.Algorithm`; default from
+        algorithm: an :class:`~torchforge.trainer.algorithms.Algorithm`; default from
             ``config.algorithm``.
         distributed_config: a :class:`DistributedConfig`; its strategy and precision
             override the config's. Processes are started by ``torchrun`` (or
@@ -130,7 +134,7 @@ class RLTrainer:
 
         # --- the model, the task --------------------------------------------------------------
         if model is None:
-            from torchforge import demo
+            from torchforge.trainer import demo
 
             if tokenizer is not None:
                 raise InvalidArgumentError(f"{fn}: a tokenizer was given without a model; pass both, or neither for the demo")
@@ -468,7 +472,7 @@ class RLTrainer:
         summary["reward_first"] = sum(rewards[:window]) / window if rewards else math.nan
         summary["reward_last"] = sum(rewards[-window:]) / window if rewards else math.nan
         if is_main_process() and (self.output_dir / "metrics.jsonl").exists():
-            from torchforge.plot import plot_run
+            from torchforge.trainer.plot import plot_run
 
             summary["plot"] = plot_run(self.output_dir)
         barrier()

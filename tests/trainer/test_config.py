@@ -1,0 +1,31 @@
+"""RLTrainer, RLConfig and the algorithms on the tiny local Llama (CPU, a few steps each)."""
+
+
+import pytest
+
+from torchforge.trainer.config import RLConfig
+from torchforge.errors import InvalidArgumentError
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(algorithm="dpo"), r"RLConfig: algorithm='dpo'; expected one of \['grpo', 'ppo', 'reinforce'\]"),
+    (dict(learning_rate=0), r"RLConfig: learning_rate=0; expected a number in \(0, inf\]"),
+    (dict(num_generations=1), r"algorithm='grpo' with num_generations=1; expected >= 2"),
+    (dict(micro_batch_size=6), r"micro_batch_size=6 is not a multiple of num_generations=4"),
+    (dict(algorithm="reinforce", num_iterations=2), r"REINFORCE is on-policy"),
+    (dict(algorithm="reinforce", num_generations=1), r"reinforce_baseline='rloo' with num_generations=1"),
+    (dict(loss_aggregation="mean"), r"loss_aggregation='mean'; expected one of"),
+    (dict(dual_clip=1.0), r"dual_clip=1.0; expected None or a number > 1"),
+    (dict(top_p=1.5), r"top_p=1.5; expected a number in \(0, 1\]"),
+    (dict(max_steps=0), r"max_steps=0; expected an int >= 1 or None"),
+    (dict(mixed_precision="fp16"), r"mixed_precision='fp16'; expected one of \['bf16', 'fp32', None\]"),
+])
+def test_invalid_configs_are_rejected_up_front(values, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        RLConfig(**values)
+
+
+def test_config_from_dict_rejects_unknown_keys():
+    with pytest.raises(InvalidArgumentError, match=r"RLConfig: unknown field\(s\) \['lr'\]"):
+        RLConfig.from_dict({"lr": 1e-3})
+    assert RLConfig.from_dict(RLConfig(kl_coef=0.0).to_dict()) == RLConfig(kl_coef=0.0)

@@ -1,0 +1,38 @@
+"""The loop's building blocks over a Hugging Face causal LM: rollout, log-probs, values, update.
+
+Plain functions; :class:`torchforge.trainer.RLTrainer` calls them in order, and a
+handwritten loop can call them too:
+
+1. :func:`rollout` samples ``num_generations`` completions per prompt -> a ``Batch``.
+2. :func:`decode_completions` turns them into text for the reward functions.
+3. :func:`policy_log_probs` computes token log-probs (and entropy) from the last hidden
+   states and the LM head with :func:`torchforge.log_probs.fused_token_log_probs`: the
+   [B, T, V] logits never exist.
+4. :func:`accumulate_gradients` runs one optimizer step's micro-batches with exact loss
+   aggregation (global token / sequence counts), then :func:`optimizer_step` clips and steps.
+"""
+
+from torchforge.loop.policy import ValueModel, policy_log_probs
+from torchforge.loop.rewards import RewardError, RewardFunction, score_rewards
+from torchforge.loop.rollout import (
+    completion_mask,
+    completion_stop_ids,
+    decode_completions,
+    rollout,
+)
+from torchforge.loop.update import accumulate_gradients, micro_batches, optimizer_step
+
+__all__ = [
+    "rollout",
+    "completion_stop_ids",
+    "completion_mask",
+    "decode_completions",
+    "policy_log_probs",
+    "ValueModel",
+    "RewardFunction",
+    "RewardError",
+    "score_rewards",
+    "micro_batches",
+    "accumulate_gradients",
+    "optimizer_step",
+]
