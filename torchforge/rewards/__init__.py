@@ -1,0 +1,34 @@
+"""Ready-made reward functions for reasoning RL, usable anywhere a reward function is.
+
+Each is a :class:`torchforge.loop.RewardFunction` and a TRL-style callable
+(``fn(prompts=..., completions=..., completion_ids=..., **columns)``), so it goes straight
+into ``RLTrainer(reward_functions=[...])``, :func:`torchforge.loop.score_rewards` or a TRL
+trainer:
+
+- :class:`MathAccuracy`: the final boxed / tagged answer equals the reference
+  mathematically (math-verify; ``pip install 'torchforge[math]'``);
+- :class:`ExactMatch`: the final answer equals the reference as normalized text;
+- :class:`ThinkAnswerFormat`: ``<think>...</think><answer>...</answer>``;
+- :class:`OverlongPenalty`: DAPO's soft penalty near ``max_completion_length``.
+
+The answer rewards read the reference from a dataset column (``answer`` by default,
+``answer_key=`` to change it).
+"""
+
+from torchforge.rewards.answers import (
+    ExactMatch,
+    MathAccuracy,
+    extract_answer,
+    normalize_answer,
+)
+from torchforge.rewards.format import ThinkAnswerFormat
+from torchforge.rewards.length import OverlongPenalty
+
+__all__ = [
+    "ExactMatch",
+    "MathAccuracy",
+    "OverlongPenalty",
+    "ThinkAnswerFormat",
+    "extract_answer",
+    "normalize_answer",
+]
