@@ -58,14 +58,68 @@ def test_algorithm_helpers_outside_compute_loss_raise():
         Algorithm().mask
 
 
-def test_compute_loss_must_return_a_scalar(tmp_path):
+def test_compute_loss_must_return_loss_and_metrics(tmp_path):
+    # one contract: compute_loss returns (loss, metrics), as every loss does; anything else
+    # (a per-token tensor, or a bare scalar loss) is an error that names what came back
     class Bad(Algorithm):
         def compute_loss(self, batch):
             return batch.log_probs
 
-    trainer = RLTrainer(algorithm=Bad(), config=small_config(tmp_path))
-    with pytest.raises(TorchforgeError, match=r"Bad.compute_loss returned Tensor of shape \(16, \d+\); expected a scalar tensor"):
-        trainer.train_step(0)
+    class BareLoss(Algorithm):
+        def compute_loss(self, batch):
+            return self.policy_gradient_loss(batch.log_probs, self.compute_advantages(batch.rewards))[0]
+
+    class PerTokenLoss(Algorithm):
+        def compute_loss(self, batch):
+            return batch.log_probs, {}
+
+    expected = r"; expected \(loss, metrics\): a scalar tensor and a dict, as every torchforge loss returns"
+    for algorithm, seen in [(Bad(), r"Bad.compute_loss returned Tensor of shape \(16, \d+\)"),
+                            (BareLoss(), r"BareLoss.compute_loss returned Tensor of shape \(\)"),
+                            (PerTokenLoss(), r"PerTokenLoss.compute_loss returned \(Tensor of shape \(16, \d+\), dict\)")]:
+        trainer = RLTrainer(algorithm=algorithm, config=small_config(tmp_path))
+        with pytest.raises(TorchforgeError, match=seen + expected):
+            trainer.train_step(0)
+
+
+def test_policy_gradient_loss_returns_loss_and_metrics_as_ppo_loss(tmp_path):
+    from torchforge.losses import ppo_loss
+
+    seen = []
+
+    class Spy(Algorithm):
+        def compute_loss(self, batch):
+            advantages = self.compute_advantages(batch.rewards)
+            out = self.policy_gradient_loss(batch.log_probs, advantages)
+            seen.append((out, ppo_loss(batch.log_probs, batch.old_log_probs, advantages, batch.mask,
+                                       aggregation=self.aggregation)))
+            return out
+
+    RLTrainer(algorithm=Spy(), config=small_config(tmp_path, kl_coef=0.0)).train_step(0)
+    (loss, metrics), (expected_loss, expected_metrics) = seen[0]
+    assert torch.equal(loss, expected_loss) and metrics.keys() == expected_metrics.keys()
+
+
+def test_capability_flags_are_bools_and_each_algorithm_has_its_own_config(tmp_path):
+    a, b = GRPO(), GRPO()
+    a.config.kl_coef = 0.0  # per instance: changing one algorithm's default config leaves the other's
+    assert b.config.kl_coef == 0.1 and Algorithm._config is None
+    assert (a.needs_reference, b.needs_reference) == (False, True)
+    assert PPO().needs_old_log_probs_in_prepare is True and GRPO().needs_old_log_probs_in_prepare is False
+    assert REINFORCE().needs_old_log_probs_in_prepare is False  # rloo: no KL in the reward
+
+    class NeedsReference(Algorithm):
+        needs_reference = True  # a class attribute is a flag too
+
+    trainer = RLTrainer(algorithm=NeedsReference(), config=small_config(tmp_path, kl_coef=0.0))
+    assert trainer.ref_model is not None
+
+    class MethodFlag(Algorithm):
+        def needs_reference(self):  # the old spelling: a method is not a flag
+            return True
+
+    with pytest.raises(TorchforgeError, match=r"MethodFlag.needs_reference is method; expected a bool"):
+        RLTrainer(algorithm=MethodFlag(), config=small_config(tmp_path, kl_coef=0.0))
 
 
 # --- configuration errors ------------------------------------------------------------------
@@ -86,12 +140,13 @@ def test_a_subclass_init_need_not_call_super(tmp_path):
 
         def compute_loss(self, batch):
             self.log(scale=self.scale)
-            return self.scale * self.policy_gradient_loss(batch.log_probs, self.compute_advantages(batch.rewards))
+            loss, metrics = self.policy_gradient_loss(batch.log_probs, self.compute_advantages(batch.rewards))
+            return self.scale * loss, metrics
 
     trainer = RLTrainer(algorithm=WithInit(2.0), config=small_config(tmp_path, kl_coef=0.0))
     metrics = trainer.train_step(0)
     assert metrics["scale"] == 2.0 and "clip_frac_low" in metrics
-    assert Algorithm._metrics is None  # nothing leaked into the class
+    assert Algorithm._metrics is None and Algorithm._config is None  # nothing leaked into the class
 
 
 @pytest.mark.parametrize("baseline", ["reinforce++", "reinforce++-baseline"])
@@ -100,8 +155,8 @@ def test_reinforce_pp_prepare_equals_the_primitive_in_one_process(tmp_path, base
 
     trainer = RLTrainer(config=small_config(tmp_path, algorithm="reinforce", reinforce_baseline=baseline))
     batch, _ = trainer.sample(0)
-    batch.ref_log_probs = trainer._per_part(trainer.ref_model, batch)
-    batch.old_log_probs = trainer._per_part(trainer.model, batch)
+    batch.ref_log_probs = trainer._log_probs_no_grad(trainer.ref_model, batch)
+    batch.old_log_probs = trainer._log_probs_no_grad(trainer.model, batch)
     trainer.algorithm.prepare(batch)
     scores = batch.rewards
     if baseline == "reinforce++-baseline":

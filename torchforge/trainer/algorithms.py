@@ -9,7 +9,15 @@ and the loss are computed. The hooks are called in this order for each sampled b
 2. ``compute_loss(micro_batch)`` for every micro-batch of every pass, with
    ``micro_batch.log_probs`` (carrying grad), ``old_log_probs``, ``rewards``,
    ``advantages`` (when ``prepare`` set them), ``ref_log_probs`` (when a reference is
-   used) and ``mask``. It returns a loss tensor, or ``(loss, metrics)``.
+   used), ``rollout_log_probs`` (the sampler's) and ``mask``.
+
+One rule for losses: every loss returns ``(loss, metrics)`` — a scalar tensor and a dict
+of scalar metrics of the micro-batch. The losses of :mod:`torchforge.losses`,
+:meth:`Algorithm.policy_gradient_loss` and ``compute_loss`` alike; so a ``compute_loss``
+may return a loss function's result as it is. Metrics are means over the micro-batch's
+counted tokens, except those named ``*_max`` / ``*_min``, which are extremes; the trainer
+combines them over micro-batches and processes as token-weighted means, maxima and minima.
+``self.log(name=value)`` adds a metric from any hook.
 
 Inside ``compute_loss`` the helpers know the micro-batch being processed, so that the
 product card's two-line custom algorithm works as written::
@@ -21,6 +29,10 @@ product card's two-line custom algorithm works as written::
 
 ``self.mask``, ``self.group_size``, ``self.aggregation`` (the mode with the global counts
 of the step) and ``self.batch`` are those of the current micro-batch.
+
+Capability flags (``needs_reference``, ``needs_old_log_probs_in_prepare``) are bool
+attributes: a class attribute (``needs_reference = True``), or a property where the answer
+depends on ``self.config``.
 """
 
 from __future__ import annotations
@@ -44,18 +56,35 @@ from torchforge.errors import TorchforgeError
 from torchforge.kl import approx_kl
 from torchforge.loop import ValueModel, micro_batches
 from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss, value_loss
-from torchforge.reduce import Aggregation
+from torchforge.reduce import Aggregation, masked_mean
 from torchforge.trainer.config import RLConfig
 
 __all__ = ["Algorithm", "GRPO", "PPO", "REINFORCE", "algorithm_from_name"]
+
+Metrics = dict[str, torch.Tensor]
+
+
+def _kl_metric(batch: Batch) -> Metrics:
+    """``{"kl": masked mean k3 estimate of KL(pi || ref)}`` when ``batch`` has reference log-probs."""
+    if batch.ref_log_probs is None:
+        return {}
+    kl = approx_kl(batch.log_probs.detach(), batch.ref_log_probs, estimator="k3")
+    return {"kl": masked_mean(kl, batch.mask)}
 
 
 class Algorithm:
     """Base class: GRPO-style group advantages and the clipped policy-gradient loss.
 
     Override ``compute_loss`` (and optionally ``prepare``, ``compute_advantages``,
-    ``policy_gradient_loss``, ``needs_reference``, ``modules``). Hyperparameters come
-    from the trainer's :class:`RLConfig` (``self.config``).
+    ``policy_gradient_loss``, ``modules`` and the capability flags ``needs_reference``,
+    ``needs_old_log_probs_in_prepare``). Hyperparameters come from the trainer's
+    :class:`RLConfig` (``self.config``; each algorithm has its own, ``RLConfig()`` until
+    the trainer calls ``setup``). A subclass ``__init__`` need not call ``super().__init__()``.
+
+    The rule of every loss here: ``compute_loss`` and ``policy_gradient_loss`` return
+    ``(loss, metrics)``, a scalar tensor and a dict name -> scalar, as the losses of
+    :mod:`torchforge.losses` do (metrics named ``*_max`` / ``*_min`` are extremes, the
+    others means over the counted tokens).
 
     Args:
         None.
@@ -75,15 +104,26 @@ class Algorithm:
     #: compute ``old_log_probs`` with a no-grad forward before ``prepare`` (otherwise the
     #: first pass takes them from its own forward, detached: exactly the same numbers)
     needs_old_log_probs_in_prepare: bool = False
-    # class-level defaults, so that a subclass __init__ need not call super().__init__()
-    config: RLConfig = RLConfig()
+    # immutable class-level defaults (None), so that a subclass __init__ need not call super()
+    _config: RLConfig | None = None
     _batch: Batch | None = None
     _aggregation: Aggregation | None = None
-    _metrics: dict[str, torch.Tensor] | None = None
+    _metrics: Metrics | None = None
 
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    @property
+    def config(self) -> RLConfig:
+        """This algorithm's config: the trainer's after ``setup``, a fresh ``RLConfig()`` before."""
+        if self._config is None:
+            self._config = RLConfig()
+        return self._config
+
+    @config.setter
+    def config(self, config: RLConfig) -> None:
+        self._config = config
 
     def setup(self, config: RLConfig, policy: nn.Module) -> None:
         """Called once by the trainer before training, with its config and (unwrapped) policy.
@@ -97,14 +137,11 @@ class Algorithm:
         """
         self.config = config
 
+    @property
     def needs_reference(self) -> bool:
         """Whether the trainer must compute ``ref_log_probs`` (a frozen copy of the policy).
 
-        Args:
-            None.
-
-        Returns:
-            bool; the base class needs none.
+        The base class needs none; GRPO, PPO and REINFORCE need one when ``kl_coef > 0``.
         """
         return False
 
@@ -160,10 +197,11 @@ class Algorithm:
         return self._aggregation
 
     def log(self, **metrics: torch.Tensor | float) -> None:
-        """Record scalar metrics of this micro-batch (masked means); the trainer logs them.
+        """Record scalar metrics of this micro-batch from any hook; the trainer logs them.
 
         Args:
-            **metrics: name -> scalar.
+            **metrics: name -> scalar: a mean over the micro-batch's counted tokens, or an
+                extreme when the name ends in ``_max`` / ``_min``.
 
         Returns:
             None.
@@ -173,21 +211,8 @@ class Algorithm:
         for key, value in metrics.items():
             self._metrics[key] = torch.as_tensor(value).detach().float()
 
-    def log_kl(self, batch: Batch) -> None:
-        """Record ``kl``, the masked mean k3 estimate of KL(pi || ref), when reference log-probs exist.
-
-        Args:
-            batch: the micro-batch (with ``log_probs``, ``ref_log_probs`` and ``mask``).
-
-        Returns:
-            None.
-        """
-        if batch.ref_log_probs is not None:
-            kl = approx_kl(batch.log_probs.detach(), batch.ref_log_probs, estimator="k3")
-            self.log(kl=(kl * batch.mask).sum() / batch.mask.sum().clamp(min=1))
-
-    def pop_metrics(self) -> dict[str, torch.Tensor]:
-        """The metrics recorded since the last call (trainer use)."""
+    def pop_metrics(self) -> Metrics:
+        """The metrics recorded with :meth:`log` since the last call (trainer use)."""
         metrics, self._metrics = self._metrics or {}, None
         return metrics
 
@@ -216,7 +241,7 @@ class Algorithm:
         """
         return group_advantages(rewards, group_size=self.group_size, scale=self.config.advantage_scale)
 
-    def policy_gradient_loss(self, log_probs: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    def policy_gradient_loss(self, log_probs: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         """The clipped policy-gradient loss of the current micro-batch, aggregated exactly.
 
         ``ppo_loss(log_probs, batch.old_log_probs, advantages, mask)`` with the config's
@@ -228,24 +253,23 @@ class Algorithm:
             advantages: [B] or [B, T].
 
         Returns:
-            The scalar loss; its metrics are recorded with :meth:`log`.
+            ``(loss, metrics)``: the scalar loss and its metrics (``clip_frac_low``,
+            ``ratio_max``, ...), as ``ppo_loss`` returns them.
         """
         cfg = self.config
-        loss, metrics = ppo_loss(
+        return ppo_loss(
             log_probs, self.batch.old_log_probs, advantages, self.mask, clip_low=cfg.clip_low,
             clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, aggregation=self.aggregation,
         )
-        self.log(**metrics)
-        return loss
 
-    def compute_loss(self, batch: Batch) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def compute_loss(self, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         """The loss of one micro-batch: here, the policy-gradient loss of group advantages.
 
         Args:
             batch: the micro-batch (see the module docstring for its fields).
 
         Returns:
-            A scalar loss, or ``(loss, metrics)``.
+            ``(loss, metrics)``: a scalar tensor and a dict of scalar metrics.
         """
         advantages = batch.advantages if batch.advantages is not None else self.compute_advantages(batch.rewards)
         return self.policy_gradient_loss(batch.log_probs, advantages)
@@ -274,6 +298,7 @@ class GRPO(Algorithm):
         DeepSeekMath, https://arxiv.org/abs/2402.03300
     """
 
+    @property
     def needs_reference(self) -> bool:
         return self.config.kl_coef > 0
 
@@ -325,6 +350,7 @@ class PPO(Algorithm):
         super().setup(config, policy)
         self.critic = ValueModel(policy)
 
+    @property
     def needs_reference(self) -> bool:
         return self.config.kl_coef > 0
 
@@ -351,8 +377,7 @@ class PPO(Algorithm):
         vf_loss, vf_metrics = value_loss(self.critic(batch), batch.old_values, batch.returns, batch.mask,
                                          clip=cfg.value_clip, aggregation=self.aggregation)
         metrics.update(pg_loss=pg_loss.detach(), value_loss=vf_loss.detach(),
-                       value_clip_frac=vf_metrics["clip_frac"])
-        self.log_kl(batch)
+                       value_clip_frac=vf_metrics["clip_frac"], **_kl_metric(batch))
         return pg_loss + cfg.value_coef * vf_loss, metrics
 
 
@@ -378,6 +403,7 @@ class REINFORCE(Algorithm):
         RLOO, https://arxiv.org/abs/2402.14740; REINFORCE++, https://arxiv.org/abs/2501.03262
     """
 
+    @property
     def needs_reference(self) -> bool:
         return self.config.kl_coef > 0
 
@@ -410,9 +436,9 @@ class REINFORCE(Algorithm):
         if cfg.kl_coef > 0 and not self._kl_in_reward:
             kl = approx_kl(batch.log_probs, batch.ref_log_probs, estimator=cfg.kl_estimator)
             loss = loss + cfg.kl_coef * self.aggregation(kl, batch.mask)
-            metrics["kl"] = (kl.detach() * batch.mask).sum() / batch.mask.sum().clamp(min=1)
+            metrics["kl"] = masked_mean(kl.detach(), batch.mask)
         else:
-            self.log_kl(batch)
+            metrics.update(_kl_metric(batch))
         return loss, metrics
 
 

@@ -53,7 +53,7 @@ from torchforge.loop import (
     rollout,
 )
 from torchforge.loop.rewards import score_rewards
-from torchforge.reduce import Aggregation
+from torchforge.reduce import Aggregation, masked_mean
 from torchforge.trainer.algorithms import Algorithm, algorithm_from_name
 from torchforge.trainer.config import RLConfig
 from torchforge.trainer.tracking import MetricsLogger
@@ -81,6 +81,34 @@ def _lr_lambda(config: RLConfig, total_steps: int) -> Callable[[int], float]:
         return 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
+
+
+def _checked_config(config: RLConfig | None) -> RLConfig:
+    config = config if config is not None else RLConfig()
+    if not isinstance(config, RLConfig):
+        raise InvalidArgumentError(f"RLTrainer: config is a {type(config).__name__}; expected an RLConfig")
+    return config
+
+
+def _flag(algorithm: Algorithm, name: str) -> bool:
+    """A capability flag of ``algorithm`` (a bool attribute or property), checked."""
+    value = getattr(algorithm, name)
+    if not isinstance(value, bool):
+        raise TorchforgeError(
+            f"RLTrainer: {algorithm.name}.{name} is {type(value).__name__}; expected a bool (capability "
+            f"flags are attributes or properties, e.g. `{name} = True`, not methods)"
+        )
+    return value
+
+
+def _enable_gradient_checkpointing(model: nn.Module) -> None:
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise InvalidArgumentError(f"RLTrainer: gradient_checkpointing=True but {type(model).__name__} cannot "
+                                   "enable it; expected a Hugging Face model, or gradient_checkpointing=False")
 
 
 class RLTrainer:
@@ -125,14 +153,24 @@ class RLTrainer:
         algorithm: Algorithm | None = None,
         distributed_config: DistributedConfig | None = None,
     ) -> None:
-        fn = "RLTrainer"
-        self.config = config = config if config is not None else RLConfig()
-        if not isinstance(config, RLConfig):
-            raise InvalidArgumentError(f"{fn}: config is a {type(config).__name__}; expected an RLConfig")
+        self.config = _checked_config(config)
         init_distributed()
         self.device = _device()
+        model = self._build_task(model, tokenizer, reward_functions, train_dataset)
+        self._build_parallelism(distributed_config)
+        self.algorithm = self._build_algorithm(algorithm)
+        self._build_models(model)
+        self._build_optimizer()
+        self.output_dir = Path(self.config.output_dir)
+        self.step = 0
+        self.history: list[dict[str, float]] = []
+        self._order_cache: tuple[int, torch.Tensor] | None = None
 
-        # --- the model, the task --------------------------------------------------------------
+    # --- building ------------------------------------------------------------------------------
+
+    def _build_task(self, model, tokenizer, reward_functions, train_dataset) -> nn.Module:
+        """Check the model, tokenizer, rewards and data (the embedded demo when no model); keep them."""
+        fn, config = "RLTrainer", self.config
         if model is None:
             from torchforge.trainer import demo
 
@@ -156,8 +194,11 @@ class RLTrainer:
         self.reward_functions = list(reward_functions)
         self.train_dataset = train_dataset
         self.stop_ids = completion_stop_ids(tokenizer, model, config.stop_token_ids)
+        return model
 
-        # --- infrastructure -----------------------------------------------------------------
+    def _build_parallelism(self, distributed_config: DistributedConfig | None) -> None:
+        """The strategy, the precision and the sharding settings of this run (warnings where they fall back)."""
+        fn, config = "RLTrainer", self.config
         dist_cfg = distributed_config or DistributedConfig(
             strategy=config.distributed_strategy, mixed_precision=config.mixed_precision,
         )
@@ -166,61 +207,62 @@ class RLTrainer:
                 f"{fn}: DistributedConfig(num_gpus={dist_cfg.num_gpus}) but this run has {world_size()} "
                 f"process(es); start {dist_cfg.num_gpus} with `torchforge train --nproc {dist_cfg.num_gpus}` "
                 f"or `torchrun --nproc_per_node {dist_cfg.num_gpus}`. Continuing with {world_size()}.",
-                stacklevel=2,
+                stacklevel=3,
             )
         bf16 = dist_cfg.mixed_precision == "bf16"
         if bf16 and not (self.device.type == "cuda" and torch.cuda.is_bf16_supported()):
             warnings.warn(f"{fn}: mixed_precision='bf16' needs a GPU with bf16 support; this machine has "
-                          "none, training in float32", stacklevel=2)
+                          "none, training in float32", stacklevel=3)
             bf16 = False
-        self.strategy = dist_cfg.strategy if world_size() > 1 else "none"
-        # FSDP2 casts parameters itself; otherwise autocast does
-        self._autocast = bf16 and self.strategy != "fsdp"
         if config.prompts_per_step % world_size():
             raise InvalidArgumentError(
                 f"{fn}: prompts_per_step={config.prompts_per_step} is not divisible by the {world_size()} "
                 "processes; expected an equal share of prompts per process"
             )
+        self.strategy = dist_cfg.strategy if world_size() > 1 else "none"
+        self._autocast = bf16 and self.strategy != "fsdp"  # FSDP2 casts parameters itself; otherwise autocast does
+        self._shard_kwargs = dict(
+            strategy=self.strategy, sharding_strategy=dist_cfg.sharding_strategy,
+            mixed_precision="bf16" if bf16 and self.strategy == "fsdp" else None,
+            # the model's own checkpointing (_build_models) already covers the policy
+            activation_checkpointing=dist_cfg.activation_checkpointing and not config.gradient_checkpointing,
+        )
 
-        self.algorithm = algorithm if algorithm is not None else algorithm_from_name(config.algorithm)
-        if not isinstance(self.algorithm, Algorithm):
-            raise InvalidArgumentError(f"{fn}: algorithm is a {type(self.algorithm).__name__}; expected an Algorithm")
+    def _build_algorithm(self, algorithm: Algorithm | None) -> Algorithm:
+        """The given algorithm, or the built-in one named by ``config.algorithm``; its flags checked."""
+        algorithm = algorithm if algorithm is not None else algorithm_from_name(self.config.algorithm)
+        if not isinstance(algorithm, Algorithm):
+            raise InvalidArgumentError(f"RLTrainer: algorithm is a {type(algorithm).__name__}; expected an Algorithm")
+        return algorithm
+
+    def _build_models(self, model: nn.Module) -> None:
+        """The policy (sharded), the frozen reference copy when needed, the algorithm's modules."""
         model = model.to(self.device)
-        self.algorithm.setup(config, model)
+        self.algorithm.setup(self.config, model)
         self.ref_model = None
-        if self.algorithm.needs_reference():
+        if _flag(self.algorithm, "needs_reference"):
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        if config.gradient_checkpointing:
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            elif hasattr(model, "gradient_checkpointing_enable"):
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                raise InvalidArgumentError(f"{fn}: gradient_checkpointing=True but {type(model).__name__} cannot "
-                                           "enable it; expected a Hugging Face model, or gradient_checkpointing=False")
-        shard_kwargs = dict(strategy=self.strategy, sharding_strategy=dist_cfg.sharding_strategy,
-                            mixed_precision="bf16" if bf16 and self.strategy == "fsdp" else None,
-                            # the model's own checkpointing (above) already covers the policy
-                            activation_checkpointing=dist_cfg.activation_checkpointing and not config.gradient_checkpointing)
-        self.model = shard(model, **shard_kwargs)
+        if self.config.gradient_checkpointing:
+            _enable_gradient_checkpointing(model)
+        self.model = shard(model, **self._shard_kwargs)
         if self.ref_model is not None and self.strategy == "fsdp":
-            self.ref_model = shard(self.ref_model, **shard_kwargs)
+            self.ref_model = shard(self.ref_model, **self._shard_kwargs)
         modules = {"policy": self.model}
         for name, module in self.algorithm.modules().items():
-            module = shard(module.to(self.device), **shard_kwargs)
+            module = shard(module.to(self.device), **self._shard_kwargs)
             setattr(self.algorithm, name, module)  # the algorithm calls the sharded module
             modules[name] = module
         self.modules = nn.ModuleDict(modules)
+
+    def _build_optimizer(self) -> None:
+        """AdamW over every trainable parameter, and the learning-rate schedule of the whole run."""
+        config = self.config
         self.trainable_parameters = [p for p in self.modules.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable_parameters, lr=config.learning_rate,
                                            weight_decay=config.weight_decay)
         self.total_steps = config.max_steps or max(
-            1, math.ceil(config.num_train_epochs * len(train_dataset) / config.prompts_per_step))
+            1, math.ceil(config.num_train_epochs * len(self.train_dataset) / config.prompts_per_step))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config, self.total_steps))
-        self.output_dir = Path(config.output_dir)
-        self.step = 0
-        self.history: list[dict[str, float]] = []
-        self._order_cache: tuple[int, torch.Tensor] | None = None
 
     # --- data ---------------------------------------------------------------------------------
 
@@ -263,53 +305,12 @@ class RLTrainer:
         with torch.set_grad_enabled(grad), self._autocast_context():
             return policy_log_probs(model, batch, temperature=self.config.temperature, return_entropy=entropy)
 
-    def _per_part(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        size = self.config.micro_batch_size or batch.batch_size[0]
-        return torch.cat([self._log_probs(model, part, grad=False)[0] for part in micro_batches(batch, size)])
+    def _micro_batches(self, batch: Batch) -> list[Batch]:
+        return list(micro_batches(batch, self.config.micro_batch_size or batch.batch_size[0]))
 
-    def sample(self, step: int) -> tuple[Batch, dict[str, torch.Tensor]]:
-        """Sample and score this process's batch of ``step``.
-
-        Args:
-            step: the 0-based optimizer step (selects the prompts and the samples).
-
-        Returns:
-            ``(batch, per_function_rewards)``.
-        """
-        cfg, G = self.config, self.config.num_generations
-        rows, ids = self._rows(step)
-        prompts = [self._render(row["prompt"]) for row in rows]
-        with self._autocast_context():
-            batch = rollout(self.model, self.tokenizer, prompts, num_generations=G,
-                            max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                            top_p=cfg.top_p, top_k=cfg.top_k, stop_token_ids=self.stop_ids,
-                            seed=cfg.seed, prompt_ids=ids)
-        completions, completion_ids = decode_completions(self.tokenizer, batch)
-        columns = {key: [row[key] for row in rows for _ in range(G)] for key in rows[0] if key != "prompt"}
-        rewards, per_function = score_rewards(
-            self.reward_functions, prompts=[p for p in prompts for _ in range(G)], completions=completions,
-            completion_ids=completion_ids, columns=columns, weights=self.config.reward_weights,
-        )
-        batch.rewards = rewards.to(self.device)
-        return batch, per_function
-
-    def _loss(self, part: Batch, aggregation: Aggregation) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        log_probs, entropy = self._log_probs(self.model, part, grad=True, entropy=True)
-        part.log_probs = log_probs
-        if part.old_log_probs is None:  # the first pass runs before any update: on-policy
-            part.old_log_probs = log_probs.detach()
-        with self.algorithm.bind(part, aggregation), self._autocast_context():
-            out = self.algorithm.compute_loss(part)
-            logged = self.algorithm.pop_metrics()
-        loss, metrics = out if isinstance(out, tuple) else (out, {})
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise TorchforgeError(
-                f"{self.algorithm.name}.compute_loss returned {type(loss).__name__}"
-                f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}; expected a scalar tensor"
-            )
-        metrics = {**metrics, **logged}
-        metrics["entropy"] = (entropy * part.mask).sum() / part.mask.sum().clamp(min=1)
-        return loss, metrics
+    def _log_probs_no_grad(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """[B, T] log-probs of ``batch`` under ``model``, one micro-batch at a time, without grad."""
+        return torch.cat([self._log_probs(model, part, grad=False)[0] for part in self._micro_batches(batch)])
 
     def train_step(self, step: int) -> dict[str, float]:
         """Sample, score and update once; returns this step's metrics (all processes combined).
@@ -320,24 +321,94 @@ class RLTrainer:
         Returns:
             name -> float.
         """
-        cfg = self.config
         start = time.perf_counter()
-        batch, per_function = self.sample(step)
-
-        if self.ref_model is not None:
-            batch.ref_log_probs = self._per_part(self.ref_model, batch)
-        if self.algorithm.needs_old_log_probs_in_prepare:
-            batch.old_log_probs = self._per_part(self.model, batch)
+        batch, prompts, rows = self._rollout(step)
+        per_function = self._score(batch, prompts, rows)
+        self._reference_log_probs(batch)
         self.algorithm.prepare(batch)
+        loss, loss_metrics, grad_norm = self._update(batch)
+        return self._metrics(batch, per_function, loss, loss_metrics, grad_norm, time.perf_counter() - start)
 
-        parts = list(micro_batches(batch, cfg.micro_batch_size or batch.batch_size[0]))
+    def sample(self, step: int) -> tuple[Batch, dict[str, torch.Tensor]]:
+        """Sample and score this process's batch of ``step``.
+
+        Args:
+            step: the 0-based optimizer step (selects the prompts and the samples).
+
+        Returns:
+            ``(batch, per_function_rewards)``.
+        """
+        batch, prompts, rows = self._rollout(step)
+        return batch, self._score(batch, prompts, rows)
+
+    def _rollout(self, step: int) -> tuple[Batch, list[str], list[dict[str, Any]]]:
+        """G completions of each of this process's prompts of ``step`` (with ``rollout_log_probs``)."""
+        cfg = self.config
+        rows, ids = self._rows(step)
+        prompts = [self._render(row["prompt"]) for row in rows]
+        with self._autocast_context():
+            batch = rollout(self.model, self.tokenizer, prompts, num_generations=cfg.num_generations,
+                            max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                            top_p=cfg.top_p, top_k=cfg.top_k, stop_token_ids=self.stop_ids,
+                            seed=cfg.seed, prompt_ids=ids)
+        return batch, prompts, rows
+
+    def _score(self, batch: Batch, prompts: list[str], rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Set ``batch.rewards`` (the weighted sum of the reward functions); return each function's scores."""
+        G = self.config.num_generations
+        completions, completion_ids = decode_completions(self.tokenizer, batch)
+        columns = {key: [row[key] for row in rows for _ in range(G)] for key in rows[0] if key != "prompt"}
+        rewards, per_function = score_rewards(
+            self.reward_functions, prompts=[p for p in prompts for _ in range(G)], completions=completions,
+            completion_ids=completion_ids, columns=columns, weights=self.config.reward_weights,
+        )
+        batch.rewards = rewards.to(self.device)
+        return per_function
+
+    def _reference_log_probs(self, batch: Batch) -> None:
+        """``ref_log_probs`` (with a reference policy), and ``old_log_probs`` when ``prepare`` needs them."""
+        if self.ref_model is not None:
+            batch.ref_log_probs = self._log_probs_no_grad(self.ref_model, batch)
+        if _flag(self.algorithm, "needs_old_log_probs_in_prepare"):
+            batch.old_log_probs = self._log_probs_no_grad(self.model, batch)
+
+    def _update(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
+        """``num_iterations`` optimizer steps over every micro-batch; the last one's loss, metrics and grad norm."""
+        cfg = self.config
+        parts = self._micro_batches(batch)
         self.model.train()
         for _ in range(cfg.num_iterations):
             loss, loss_metrics = accumulate_gradients(parts, self._loss, mode=cfg.loss_aggregation,
                                                       norm_length=cfg.max_completion_length)
             grad_norm = optimizer_step(self.trainable_parameters, self.optimizer, self.scheduler,
                                        max_grad_norm=cfg.max_grad_norm)
-        return self._metrics(batch, per_function, loss, loss_metrics, grad_norm, time.perf_counter() - start)
+        return loss, loss_metrics, grad_norm
+
+    def _loss(self, part: Batch, aggregation: Aggregation) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The algorithm's ``(loss, metrics)`` of one micro-batch, after its forward (with grad)."""
+        log_probs, entropy = self._log_probs(self.model, part, grad=True, entropy=True)
+        part.log_probs = log_probs
+        if part.old_log_probs is None:  # the first pass runs before any update: on-policy
+            part.old_log_probs = log_probs.detach()
+        with self.algorithm.bind(part, aggregation), self._autocast_context():
+            out = self.algorithm.compute_loss(part)
+            logged = self.algorithm.pop_metrics()
+        loss, metrics = self._checked_loss_output(out)
+        return loss, {**metrics, **logged, "entropy": masked_mean(entropy.detach(), part.mask)}
+
+    def _checked_loss_output(self, out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``compute_loss``'s ``(loss, metrics)``, or an error naming what it returned instead."""
+        expected = "expected (loss, metrics): a scalar tensor and a dict, as every torchforge loss returns"
+        what = f"{self.algorithm.name}.compute_loss returned"
+        if not (isinstance(out, tuple) and len(out) == 2):
+            shape = f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else ""
+            size = f" of {len(out)} items" if isinstance(out, tuple) else ""
+            raise TorchforgeError(f"{what} {type(out).__name__}{shape}{size}; {expected}")
+        loss, metrics = out
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0) or not isinstance(metrics, dict):
+            shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
+            raise TorchforgeError(f"{what} ({type(loss).__name__}{shape}, {type(metrics).__name__}); {expected}")
+        return loss, metrics
 
     def _metrics(self, batch, per_function, loss, loss_metrics, grad_norm, seconds) -> dict[str, float]:
         """Combine over processes as sums and counts, never as means of means."""
