@@ -18,7 +18,8 @@ from torchforge.errors import InvalidArgumentError
     (dict(dual_clip=1.0), r"dual_clip=1.0; expected None or a number > 1"),
     (dict(top_p=1.5), r"top_p=1.5; expected a number in \(0, 1\]"),
     (dict(max_steps=0), r"max_steps=0; expected an int >= 1 or None"),
-    (dict(mixed_precision="fp16"), r"mixed_precision='fp16'; expected one of \['bf16', 'fp32', None\]"),
+    (dict(mixed_precision="fp16"), r"mixed_precision='fp16'; expected one of \[None, 'no', 'fp32', 'bf16'\]"),
+    (dict(distributed_strategy="zero3"), r"distributed_strategy='zero3'; expected one of \['fsdp', 'ddp', 'none'\]"),
 ])
 def test_invalid_configs_are_rejected_up_front(values, message):
     with pytest.raises(InvalidArgumentError, match=message):
@@ -29,3 +30,12 @@ def test_config_from_dict_rejects_unknown_keys():
     with pytest.raises(InvalidArgumentError, match=r"RLConfig: unknown field\(s\) \['lr'\]"):
         RLConfig.from_dict({"lr": 1e-3})
     assert RLConfig.from_dict(RLConfig(kl_coef=0.0).to_dict()) == RLConfig(kl_coef=0.0)
+
+
+def test_option_lists_are_those_of_distributed_config():
+    from torchforge.distributed.parallelize import MIXED_PRECISIONS, STRATEGIES
+
+    for strategy in STRATEGIES:
+        assert RLConfig(distributed_strategy=strategy).distributed_strategy == strategy
+    for precision in MIXED_PRECISIONS:
+        assert RLConfig(mixed_precision=precision).mixed_precision == precision

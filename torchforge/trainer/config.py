@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchforge.advantages import GROUP_SCALES
+from torchforge.distributed.parallelize import MIXED_PRECISIONS, STRATEGIES
 from torchforge.errors import InvalidArgumentError
 from torchforge.kl import KL_ESTIMATORS
 from torchforge.reduce import AGGREGATION_MODES
@@ -16,8 +17,6 @@ __all__ = ["RLConfig", "ALGORITHMS", "LR_SCHEDULERS", "REINFORCE_BASELINES"]
 ALGORITHMS = ("grpo", "ppo", "reinforce")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 REINFORCE_BASELINES = ("rloo", "reinforce++", "reinforce++-baseline")
-_STRATEGIES = ("fsdp", "ddp", "none")
-_PRECISIONS = ("bf16", "fp32", None)
 
 
 @dataclass
@@ -32,7 +31,8 @@ class RLConfig:
         max_completion_length: the token limit of a completion.
         kl_coef: weight of the KL(pi || ref) penalty; 0 needs no reference model.
         distributed_strategy: "fsdp", "ddp" or "none" (used when several processes run).
-        mixed_precision: "bf16" or "fp32"; "bf16" falls back to fp32, with a warning, on a
+        mixed_precision: "bf16", or "fp32" / "no" / None (full precision), as
+            ``DistributedConfig``'s; "bf16" falls back to fp32, with a warning, on a
             machine without bf16 support on its accelerator (a CPU).
         gradient_checkpointing: recompute activations in backward to save memory.
         output_dir: where metrics, checkpoints, the final model and plots go.
@@ -145,8 +145,8 @@ class RLConfig:
                 raise bad(name, f"a number in {'(' if open_low else '['}{low}, {high}]")
 
         choice("algorithm", ALGORITHMS)
-        choice("distributed_strategy", _STRATEGIES)
-        choice("mixed_precision", _PRECISIONS)
+        choice("distributed_strategy", STRATEGIES)  # DistributedConfig's lists: one definition
+        choice("mixed_precision", MIXED_PRECISIONS)
         choice("loss_aggregation", AGGREGATION_MODES)
         choice("advantage_scale", GROUP_SCALES)
         choice("kl_estimator", KL_ESTIMATORS)
