@@ -40,14 +40,16 @@ __all__ = [
     "FUSED_CHUNK_ELEMENTS",
 ]
 
-# Default chunk of token_log_probs / token_entropy: about 8M logits, one 32 MB float32
-# buffer reused by every chunk. Few chunks matter more than cache fit on a CPU shared with
-# other jobs: every kernel ends with a barrier of its threads, and a barrier costs up to a
-# scheduler time slice when one of them has been descheduled.
+# The one chunk-size policy of every chunked kernel (token_log_probs, token_entropy,
+# fused_token_log_probs, and kl.exact_kl): about 8M logits per chunk (one 32 MB float32
+# buffer, reused by every chunk), i.e. ``LOGITS_CHUNK_ELEMENTS // V`` rows. Few chunks
+# matter more than cache fit on a CPU shared with other jobs: every kernel ends with a
+# barrier of its threads, and a barrier costs up to a scheduler time slice when one of
+# them has been descheduled; 8M logits is also big enough for the fused matmuls to run
+# at full speed.
 LOGITS_CHUNK_ELEMENTS = 1 << 23
-# Default logits tile of fused_token_log_probs: about 8M logits (32 MB in float32), big
-# enough for the matmuls to run at full speed.
-FUSED_CHUNK_ELEMENTS = 1 << 23
+# The same policy under the name the fused kernel's docs use (one value, not a second knob).
+FUSED_CHUNK_ELEMENTS = LOGITS_CHUNK_ELEMENTS
 # Rows per tile of the fused backward (the tile spans a slice of the vocabulary).
 _FUSED_BACKWARD_ROWS = 4096
 
@@ -65,12 +67,38 @@ def _check_temperature(fn: str, temperature) -> float:
     return float(temperature)
 
 
-def _check_chunk_size(fn: str, chunk_size, default: int) -> int:
+def _chunk_rows(fn: str, chunk_size, V: int) -> int:
+    """The chunk-size policy: ``chunk_size`` rows when given (an int >= 1), else about
+    ``LOGITS_CHUNK_ELEMENTS`` logits per chunk, ``LOGITS_CHUNK_ELEMENTS // V`` rows."""
     if chunk_size is None:
-        return default
+        return max(1, LOGITS_CHUNK_ELEMENTS // max(1, V))
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise InvalidArgumentError(f"{fn}: chunk_size must be an int >= 1 or None, got {chunk_size!r}")
     return chunk_size
+
+
+def _row_chunks(rows: int | torch.Tensor, chunk_size: int):
+    """The chunk iterator: slices of ``range(rows)`` of at most ``chunk_size`` rows, or,
+    for a 1-D index tensor ``rows``, its pieces of at most ``chunk_size`` indices."""
+    if isinstance(rows, torch.Tensor):
+        yield from rows.split(chunk_size)
+        return
+    for start in range(0, rows, chunk_size):
+        yield slice(start, min(rows, start + chunk_size))
+
+
+def _check_head_transform(fn: str, logit_scale, softcap) -> tuple[float, float | None]:
+    """``(logit_scale, softcap)`` as floats: ``logit_scale`` 1.0 when None; each a finite
+    number > 0."""
+    values = {"logit_scale": logit_scale, "softcap": softcap}
+    for name, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidArgumentError(f"{fn}: {name} must be a number or None, got {type(value).__name__}")
+        if not (math.isfinite(value) and value > 0):
+            raise InvalidArgumentError(f"{fn}: {name} must be a finite number > 0 or None, got {value!r}")
+    return float(1.0 if logit_scale is None else logit_scale), (None if softcap is None else float(softcap))
 
 
 def _check_tokens(fn: str, tokens, expected_shape, shape_desc: str, V: int) -> None:
@@ -122,10 +150,8 @@ def _chunks(x: torch.Tensor, chunk_size: int):
     """``(rows, chunk)`` over the [B, T, V] tensor ``x``: ``chunk`` is the [n, V] view of
     the flat rows ``rows`` (a slice of ``range(B * T)``), at most ``chunk_size`` of them."""
     for first, seg in _segments(x):
-        n = seg.shape[0]
-        for start in range(0, n, chunk_size):
-            stop = min(n, start + chunk_size)
-            yield slice(first + start, first + stop), seg[start:stop]
+        for rows in _row_chunks(seg.shape[0], chunk_size):
+            yield slice(first + rows.start, first + rows.stop), seg[rows]
 
 
 def _scaled_into(buf: torch.Tensor, chunk: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -142,11 +168,6 @@ def _chunk_buffer(x: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch
     """One [chunk_size, V] buffer in ``dtype``, reused by every chunk of ``x`` [B, T, V]."""
     B, T, V = x.shape
     return torch.empty((max(1, min(chunk_size, B * T)), V), dtype=dtype, device=x.device)
-
-
-def _default_chunk_size(x: torch.Tensor) -> int:
-    """Rows per chunk of the [B, T, V] ``x``: about LOGITS_CHUNK_ELEMENTS logits."""
-    return max(1, LOGITS_CHUNK_ELEMENTS // x.shape[-1])
 
 
 # ----------------------------------------------------------------------------------------
@@ -265,7 +286,7 @@ def token_log_probs(
             f"{fn}: tokens is on {tokens.device} but logits is on {logits.device}; expected the same device"
         )
     temperature = _check_temperature(fn, temperature)
-    chunk_size = _check_chunk_size(fn, chunk_size, _default_chunk_size(logits))
+    chunk_size = _chunk_rows(fn, chunk_size, logits.shape[-1])
     dtype = _compute_dtype(logits.dtype)
     return _TokenLogProbs.apply(logits, tokens.long(), temperature, chunk_size, dtype)
 
@@ -366,7 +387,7 @@ def token_entropy(
     check_float(fn, "logits", logits)
     _check_vocab(fn, "logits", logits, -1)
     temperature = _check_temperature(fn, temperature)
-    chunk_size = _check_chunk_size(fn, chunk_size, _default_chunk_size(logits))
+    chunk_size = _chunk_rows(fn, chunk_size, logits.shape[-1])
     return _TokenEntropy.apply(logits, temperature, chunk_size, _compute_dtype(logits.dtype))
 
 
@@ -374,10 +395,17 @@ def token_entropy(
 # fused_token_log_probs
 # ----------------------------------------------------------------------------------------
 
-def _logits_tile(hidden, weight, bias, temperature, z, mm=None):
-    """``(hidden @ weight.T + bias) / temperature`` [n, v] written into ``z`` (a [n, v]
-    buffer in the compute dtype) and returned; ``mm`` is a [n, v] buffer in the inputs'
-    dtype for the matmul when it differs from ``z``'s (bf16 inputs), else None."""
+def _logits_tile(hidden, weight, bias, head, z, mm=None, u=None):
+    """The transformed logits ``z'' = head(hidden @ weight.T + bias)`` [n, v], written into
+    ``z`` (a [n, v] buffer in the compute dtype) and returned.
+
+    ``head = (logit_scale, softcap, temperature)``: ``z'' = softcap * tanh(logit_scale * z /
+    softcap) / temperature``, or ``z'' = logit_scale * z / temperature`` without a softcap.
+    ``mm`` is a [n, v] buffer in the inputs' dtype for the matmul when it differs from
+    ``z``'s (bf16 inputs), else None; ``u``, when given with a softcap, receives
+    ``tanh(logit_scale * z / softcap)`` for the backward.
+    """
+    logit_scale, softcap, temperature = head
     target = z if mm is None else mm
     if bias is None:
         torch.mm(hidden, weight.t(), out=target)
@@ -385,7 +413,13 @@ def _logits_tile(hidden, weight, bias, temperature, z, mm=None):
         torch.addmm(bias, hidden, weight.t(), out=target)
     if mm is not None:
         z.copy_(mm)
-    return z.div_(temperature) if temperature != 1.0 else z
+    if softcap is None:
+        factor = logit_scale / temperature
+        return z.mul_(factor) if factor != 1.0 else z
+    torch.tanh(z.mul_(logit_scale / softcap), out=z)
+    if u is not None:
+        u.copy_(z)
+    return z.mul_(softcap / temperature)
 
 
 def _tile(flat: torch.Tensor | None, n: int, v: int) -> torch.Tensor | None:
@@ -398,13 +432,17 @@ class _FusedTokenLogProbs(torch.autograd.Function):
     the [N, V] logits.
 
     Forward: row chunks of ``chunk_size`` rows x all V; saves hidden, weight, bias, the
-    logsumexp [N] (recovered as ``z[tok] - log_p[tok]``) and the entropy [N]. Backward: tiles of ``_FUSED_BACKWARD_ROWS`` rows
-    x a slice of the vocabulary (``chunk_size * V`` logits each), so that ``grad_weight``
-    is written once per row block rather than accumulated once per row chunk.
+    logsumexp [N] (recovered as ``z''[tok] - log_p[tok]``) and the entropy [N]. Backward:
+    tiles of ``_FUSED_BACKWARD_ROWS`` rows x a slice of the vocabulary (``chunk_size * V``
+    logits each), so that ``grad_weight`` is written once per row block rather than
+    accumulated once per row chunk. The head transform's derivative,
+    ``d z'' / d z = logit_scale * (1 - u**2) / temperature`` with ``u = tanh(logit_scale * z
+    / softcap)`` (``logit_scale / temperature`` without a softcap), multiplies the
+    gradient of each tile before its matmuls.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, temperature, chunk_size, with_entropy, dtype):
+    def forward(ctx, hidden, weight, bias, tokens, head, chunk_size, with_entropy, dtype):
         N, V = hidden.shape[0], weight.shape[0]
         lse = torch.empty(N, dtype=dtype, device=hidden.device)
         out = torch.empty(N, dtype=dtype, device=hidden.device)
@@ -414,11 +452,10 @@ class _FusedTokenLogProbs(torch.autograd.Function):
         n_max = min(N, chunk_size)
         z_flat = torch.empty(n_max * V, dtype=dtype, device=hidden.device)
         mm_flat = torch.empty(n_max * V, dtype=hidden.dtype, device=hidden.device) if hidden.dtype != dtype else None
-        for start in range(0, N, chunk_size):
-            rows = slice(start, start + chunk_size)
+        for rows in _row_chunks(N, chunk_size):
             h = hidden[rows]
             n = h.shape[0]
-            z = _logits_tile(h, weight, bias, temperature, _tile(z_flat, n, V), _tile(mm_flat, n, V))
+            z = _logits_tile(h, weight, bias, head, _tile(z_flat, n, V), _tile(mm_flat, n, V))
             torch.gather(z, -1, tok[rows], out=lse[rows].unsqueeze(-1))  # z[tok], before z is overwritten
             log_p = torch.log_softmax(z, dim=-1, out=z)
             torch.gather(log_p, -1, tok[rows], out=out[rows].unsqueeze(-1))
@@ -427,7 +464,7 @@ class _FusedTokenLogProbs(torch.autograd.Function):
                 torch.sum(torch.special.entr(p, out=p), dim=-1, out=entropy[rows])  # entr = -p log p
         lse.sub_(out)  # logsumexp(z) = z[tok] - log_p[tok], kept for the backward
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, entropy)
-        ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
+        ctx.head, ctx.chunk_size, ctx.dtype = head, chunk_size, dtype
         ctx.set_materialize_grads(False)  # an unused output gets None: skip its maths
         if with_entropy:
             return out, entropy
@@ -437,7 +474,8 @@ class _FusedTokenLogProbs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_lp, grad_ent=None):
         hidden, weight, bias, tokens, lse, entropy = ctx.saved_tensors
-        temperature, dtype = ctx.temperature, ctx.dtype
+        head, dtype = ctx.head, ctx.dtype
+        logit_scale, softcap, temperature = head
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         N, H = hidden.shape
         V = weight.shape[0]
@@ -460,24 +498,24 @@ class _FusedTokenLogProbs(torch.autograd.Function):
         g_ent = grad_ent.to(dtype) if (grad_ent is not None and entropy is not None) else None
         neg_lse = lse.neg().unsqueeze(-1)
         # tile buffers reused by every tile: logits / grad_z, the bf16 matmul and the bf16
-        # grad_z, and p when the entropy has a gradient
+        # grad_z, p when the entropy has a gradient, and u = tanh(.) under a softcap
         tile_elements = rows_per_tile * cols_per_tile
         z_flat = torch.empty(tile_elements, dtype=dtype, device=device)
         mm_flat = torch.empty(tile_elements, dtype=in_dtype, device=device) if in_dtype != dtype else None
         p_flat = torch.empty(tile_elements, dtype=dtype, device=device) if g_ent is not None else None
-        for r0 in range(0, N, rows_per_tile):
-            rows = slice(r0, r0 + rows_per_tile)
+        u_flat = torch.empty(tile_elements, dtype=dtype, device=device) if softcap is not None else None
+        for rows in _row_chunks(N, rows_per_tile):
             h = hidden[rows]
             tok = tokens[rows]
             lp_scale = g_lp[rows].unsqueeze(-1)
             ent_scale = g_ent[rows].unsqueeze(-1) if g_ent is not None else None
-            for c0 in range(0, V, cols_per_tile):
-                cols = slice(c0, c0 + cols_per_tile)
+            for cols in _row_chunks(V, cols_per_tile):
                 w = weight[cols]
                 b = bias[cols] if bias is not None else None
                 n, c = h.shape[0], w.shape[0]
-                z = _logits_tile(h, w, b, temperature, _tile(z_flat, n, c), _tile(mm_flat, n, c))
-                # grad_z = g_lp (onehot - p) - g_ent p (log p + H), then / temperature
+                u = _tile(u_flat, n, c)
+                z = _logits_tile(h, w, b, head, _tile(z_flat, n, c), _tile(mm_flat, n, c), u)
+                # grad_z'' = g_lp (onehot - p) - g_ent p (log p + H)
                 if ent_scale is None:
                     p = z.add_(neg_lse[rows]).exp_()
                     grad_z = p.mul_(lp_scale.neg())
@@ -486,12 +524,16 @@ class _FusedTokenLogProbs(torch.autograd.Function):
                     p = torch.exp(log_p, out=_tile(p_flat, n, c))
                     grad_z = log_p.add_(entropy[rows].unsqueeze(-1)).mul_(ent_scale).add_(lp_scale).mul_(p).neg_()
                 # + g_lp at the target token, for the rows whose target is in this slice
-                local = tok - c0
+                local = tok - cols.start
                 in_tile = (local >= 0) & (local < grad_z.shape[1])
                 grad_z.scatter_add_(-1, local.clamp(0, grad_z.shape[1] - 1).unsqueeze(-1),
                                     torch.where(in_tile.unsqueeze(-1), lp_scale, 0.0))
-                if temperature != 1.0:
-                    grad_z.div_(temperature)
+                # grad_z = grad_z'' * d z'' / d z
+                if u is not None:
+                    grad_z.mul_(u.mul_(u).neg_().add_(1.0))  # 1 - tanh**2
+                factor = logit_scale / temperature
+                if factor != 1.0:
+                    grad_z.mul_(factor)
                 if need_bias:
                     grad_bias[cols] += grad_z.sum(0)
                 gz = grad_z if mm_flat is None else _tile(mm_flat, n, c).copy_(grad_z)
@@ -522,25 +564,50 @@ def fused_token_log_probs(
     bias: torch.Tensor | None = None,
     *,
     temperature: float = 1.0,
+    logit_scale: float | None = None,
+    softcap: float | None = None,
     chunk_size: int | None = None,
     return_entropy: bool = False,
 ):
     """Token log-probs straight from the last hidden states and the LM-head weight.
 
-    With ``z = (hidden @ weight.T + bias) / temperature`` computed a chunk at a time:
+    With the head's logits ``z = hidden @ weight.T + bias``, the head's transform of them,
+    the logits the model returns,
 
-    ``log_probs[b, t] = z[b, t, tokens[b, t]] - logsumexp_v z[b, t, v]``
+    ``z' = softcap * tanh(logit_scale * z / softcap)``  (``z' = logit_scale * z`` when
+    ``softcap`` is None),
+
+    and ``z'' = z' / temperature``, all computed a chunk at a time:
+
+    ``log_probs[b, t] = z''[b, t, tokens[b, t]] - logsumexp_v z''[b, t, v]``
 
     and, with ``return_entropy=True``, ``entropy[b, t] = -sum_v p_v log p_v`` where
-    ``p = softmax(z[b, t])``. Gradients reach ``hidden``, ``weight`` and ``bias``, from
-    the log-probs and from the entropy (``d entropy / d z_v = -p_v (log p_v + entropy)``).
+    ``p = softmax(z''[b, t])``. Gradients reach ``hidden``, ``weight`` and ``bias``, from
+    the log-probs and from the entropy (``d entropy / d z''_v = -p_v (log p_v + entropy)``),
+    through ``d z'' / d z = logit_scale * (1 - tanh(logit_scale * z / softcap)**2) /
+    temperature``.
+
+    The transforms of the causal LMs in Hugging Face transformers, in this form
+    (``torchforge.loop.head_transform`` reads them from a model):
+
+    - Gemma 2 / 3 / 3n, VaultGemma, nanochat: ``cap * tanh(z / cap)``: ``softcap =
+      final_logit_softcapping``; RecurrentGemma the same with ``logits_soft_cap``.
+    - Granite (and its MoE / hybrid variants): ``z / logits_scaling``: ``logit_scale =
+      1 / logits_scaling``; MiniCPM3 divides the hidden states by it, the same for a head
+      without bias.
+    - Cohere / Cohere2: ``z * logit_scale``; Falcon-H1: ``z * lm_head_multiplier``.
+    - a scale then a cap (``output_multiplier`` then ``final_logit_softcapping``):
+      ``softcap * tanh(output_multiplier * z / softcap)``.
 
     Args:
         hidden: [B, T, H] float last hidden states (the LM head's input).
         weight: [V, H] LM-head weight, same dtype as ``hidden``.
         tokens: [B, T] integer token ids in ``[0, V)``.
         bias: optional [V] LM-head bias, same dtype as ``hidden``.
-        temperature: > 0; the logits are divided by it first, as in sampling.
+        temperature: > 0; the transformed logits are divided by it, as in sampling.
+        logit_scale: > 0 or None (1): the head's multiplier of its logits, applied first.
+        softcap: > 0 or None (no cap): the head's tanh soft cap, applied after
+            ``logit_scale``.
         chunk_size: rows (positions) per chunk of the forward; the backward uses tiles
             of the same number of logits, ``chunk_size * V``. Default about 8M logits per
             chunk (``FUSED_CHUNK_ELEMENTS // V``). The result does not depend on it.
@@ -557,25 +624,30 @@ def fused_token_log_probs(
         >>> weight = torch.tensor([[0.0], [1.0]])
         >>> fused_token_log_probs(hidden, weight, torch.tensor([[1]]))
         tensor([[-0.2877]])
+        >>> # a soft cap of 30 at logits (0, 60): z' = (0, 30 tanh 2) = (0, 28.92)
+        >>> fused_token_log_probs(torch.tensor([[[60.0]]]), weight, torch.tensor([[0]]), softcap=30.0)
+        tensor([[-28.9208]])
 
     References:
         Chunked cross-entropy that never materializes the logits: Wijmans et al., "Cut
         your losses in large-vocabulary language models", https://arxiv.org/abs/2411.09009;
-        Hsu et al., "Liger Kernel", https://arxiv.org/abs/2410.10989
+        Hsu et al., "Liger Kernel", https://arxiv.org/abs/2410.10989. Logit soft-capping:
+        Gemma Team, "Gemma 2", https://arxiv.org/abs/2408.00118
 
     Note:
         The logits are computed twice (forward, and again in the backward): one extra
         LM-head matmul buys memory that no longer grows with B * T * V. Liger's fused
         linear cross-entropy instead computes the gradients inside the forward, which
         needs a scalar loss; here the output is per token, so its gradient is only known
-        in the backward. bf16 inputs: matmuls run in bf16, the softmax maths in float32
-        per tile, and gradients that are sums over tiles are accumulated in float32.
-        Memory: a few tile buffers of ``chunk_size * V`` logits (allocated once per
-        call and reused by every tile), the [B, T] logsumexp
-        and entropy, and for bf16 inputs with more than ``_FUSED_BACKWARD_ROWS`` (4096)
-        positions one float32 [V, H] accumulator for the weight gradient. Gradients are
-        computed only for the inputs that require them (a frozen head costs no
-        weight-gradient matmul).
+        in the backward. bf16 inputs: matmuls run in bf16, the transform and the softmax
+        maths in float32 per tile (a bf16 model rounds its transformed logits to bf16;
+        this does not), and gradients that are sums over tiles are accumulated in
+        float32. Memory: a few tile buffers of ``chunk_size * V`` logits (one more under
+        a softcap; allocated once per call and reused by every tile), the [B, T]
+        logsumexp and entropy, and for bf16 inputs with more than ``_FUSED_BACKWARD_ROWS``
+        (4096) positions one float32 [V, H] accumulator for the weight gradient.
+        Gradients are computed only for the inputs that require them (a frozen head costs
+        no weight-gradient matmul).
     """
     fn = "fused_token_log_probs"
     check_tensor(fn, "hidden", hidden, ndim=3)
@@ -611,14 +683,15 @@ def fused_token_log_probs(
             f"{fn}: tokens is on {tokens.device} but hidden is on {hidden.device}; expected the same device"
         )
     temperature = _check_temperature(fn, temperature)
-    chunk_size = _check_chunk_size(fn, chunk_size, max(1, FUSED_CHUNK_ELEMENTS // V))
+    logit_scale, softcap = _check_head_transform(fn, logit_scale, softcap)
+    chunk_size = _chunk_rows(fn, chunk_size, V)
     if not isinstance(return_entropy, bool):
         raise InvalidArgumentError(f"{fn}: return_entropy must be a bool, got {return_entropy!r}")
 
     dtype = _compute_dtype(hidden.dtype)
     result = _FusedTokenLogProbs.apply(
         hidden.reshape(B * T, H), weight, bias, tokens.reshape(B * T).long(),
-        temperature, chunk_size, return_entropy, dtype,
+        (logit_scale, softcap, temperature), chunk_size, return_entropy, dtype,
     )
     if return_entropy:
         log_probs, entropy = result
