@@ -10,8 +10,11 @@ handwritten loop can call them too:
    [B, T, V] logits never exist.
 4. :func:`accumulate_gradients` runs one optimizer step's micro-batches with exact loss
    aggregation (global token / sequence counts), then :func:`optimizer_step` clips and steps.
+
+:func:`evaluate` scores sampled and greedy completions of held-out prompts (pass@k).
 """
 
+from torchforge.loop.evaluate import evaluate, pass_at_k
 from torchforge.loop.policy import ValueModel, policy_log_probs
 from torchforge.loop.rewards import RewardError, RewardFunction, score_rewards
 from torchforge.loop.rollout import (
@@ -35,4 +38,6 @@ __all__ = [
     "micro_batches",
     "accumulate_gradients",
     "optimizer_step",
+    "evaluate",
+    "pass_at_k",
 ]
