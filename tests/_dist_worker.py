@@ -7,6 +7,7 @@ results of each scenario to ``OUT_DIR/<scenario>.pt``.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -321,8 +322,46 @@ def scenario_counts(out: Path) -> None:
                out / f"counts_rank{rank()}.pt")
 
 
+def global_values() -> torch.Tensor:
+    """[B, T-1] float32 values offset by 1e4 (rewards-like), exactly representable."""
+    g = torch.Generator().manual_seed(99)
+    return 1e4 + torch.randint(-16, 17, (GLOBAL_B, SEQ_LEN - 1), generator=g).float() / 4
+
+
+def scenario_statistics(out: Path) -> None:
+    """Masked statistics with sum_over_ranks, extrema and gathers over ranks (one file per rank)."""
+    from torchforge.distributed import (
+        gather_over_ranks,
+        rank,
+        reduce_metric_extrema,
+        sum_over_ranks,
+        whiten_over_ranks,
+        world_size,
+    )
+    from torchforge.reduce import masked_mean, masked_var, masked_whiten
+
+    r, n = rank(), world_size()
+    mask = local_shard(global_batch(), r, n)["mask"]
+    values = local_shard({"v": global_values()}, r, n)["v"].requires_grad_()
+    whitened = masked_whiten(values, mask, sum_over_ranks=sum_over_ranks)
+    (grad,) = torch.autograd.grad((whitened * torch.arange(whitened.numel()).view_as(whitened)).sum(), values)
+    results = {
+        "mean": masked_mean(values, mask, sum_over_ranks=sum_over_ranks).detach(),
+        "var": masked_var(values, mask, sum_over_ranks=sum_over_ranks).detach(),
+        "var_biased": masked_var(values, mask, unbiased=False, sum_over_ranks=sum_over_ranks).detach(),
+        "whiten": whitened.detach(),
+        "whiten_over_ranks": whiten_over_ranks(values.detach(), mask),
+        "grad": grad,
+        "extrema": reduce_metric_extrema({"rank_max": float(r), "empty_max": -math.inf},
+                                         {"rank_min": torch.tensor(float(r)), "only_1": math.inf if r == 0 else 7.0}),
+        "gathered": gather_over_ranks(torch.arange(3.0 - 2 * r) + 10 * r),
+    }
+    torch.save(results, out / f"statistics_rank{r}.pt")
+
+
 SCENARIOS = {
     "counts": scenario_counts,
+    "statistics": scenario_statistics,
     "load_single": scenario_load_single,
     "grads": scenario_grads,
     "generate": scenario_generate,

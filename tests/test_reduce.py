@@ -15,7 +15,9 @@ from torchforge.reduce import (
     AGGREGATION_MODES,
     Aggregation,
     aggregate,
+    masked_max,
     masked_mean,
+    masked_min,
     masked_sum,
     masked_var,
     masked_whiten,
@@ -357,16 +359,138 @@ def test_aggregation_dataclass_equals_aggregate(data, mode, dp_size):
     assert Aggregation.of(agg) is agg
 
 
-def test_reductions_from_batch_and_tensordict():
+def test_aggregate_and_masked_reductions_refuse_a_batch():
+    # "values" is the critic's batch key: masked_mean(batch) used to read it silently.
     values = torch.randn(2, 4)
     mask = torch.tensor([[True, False, True, True], [False, False, False, False]])
     td = TensorDict(values=values, per_token=values, mask=mask, batch_size=[2])
-    assert masked_mean(td).equal(masked_mean(values, mask))
-    assert masked_sum(td, dim=1).equal(masked_sum(values, mask, dim=1))
-    assert aggregate(td, mode="seq-mean-token-sum").equal(aggregate(values, mask, mode="seq-mean-token-sum"))
     batch = Batch(values=values, mask=mask, batch_size=[2])
-    assert masked_var(batch).equal(masked_var(values, mask))
-    assert masked_whiten(batch).equal(masked_whiten(values, mask))
+    for fn in (masked_sum, masked_mean, masked_var, masked_whiten, masked_min, masked_max):
+        for data in (td, batch):
+            with pytest.raises(InvalidArgumentError, match=rf"{fn.__name__}: values is a \w+; expected a tensor.*batch.mask"):
+                fn(data, mask)
+            with pytest.raises(TypeError):
+                fn(data)
+    with pytest.raises(InvalidArgumentError, match=r"aggregate: per_token is a TensorDict; expected a tensor"):
+        aggregate(td, mask)
+
+
+# ----------------------------------------------------------------------------------------
+# masked_min / masked_max
+# ----------------------------------------------------------------------------------------
+
+def test_masked_min_max_hand_derived():
+    values = torch.tensor([[1.0, 9.0, NAN], [5.0, -7.0, 2.0], [4.0, 4.0, 4.0]])
+    mask = torch.tensor([[True, False, False], [True, True, False], [False, False, False]])
+    # counted: 1 | 5, -7 | nothing -> max 5, min -7; rows: max (1, 5, fill), min (1, -7, fill);
+    # columns: max (5, -7, fill), min (1, -7, fill).
+    assert masked_max(values, mask).item() == 5.0
+    assert masked_min(values, mask).item() == -7.0
+    assert masked_max(values, mask, dim=1).tolist() == [1.0, 5.0, 0.0]
+    assert masked_min(values, mask, dim=1, fill=-3.0).tolist() == [1.0, -7.0, -3.0]
+    assert masked_max(values, mask, dim=0).tolist() == [5.0, -7.0, 0.0]
+    assert masked_min(values, mask, dim=-2).tolist() == [1.0, -7.0, 0.0]
+    assert masked_max(values, torch.zeros_like(mask)).item() == 0.0
+    assert masked_max(values, torch.zeros_like(mask), fill=-math.inf).item() == -math.inf
+    assert masked_min(values.bfloat16(), mask).dtype == torch.float32
+
+
+@pytest.mark.parametrize("shape,dim", [((0, 3), None), ((0, 3), 0), ((0, 3), 1), ((2, 0), 1), ((2, 0), None)])
+def test_masked_min_max_empty_tensors(shape, dim):
+    values, mask = torch.zeros(shape), torch.zeros(shape, dtype=torch.bool)
+    expected_shape = () if dim is None else values.sum(dim).shape
+    for fn in (masked_min, masked_max):
+        out = fn(values, mask, dim=dim, fill=1.5)
+        assert out.shape == expected_shape and bool((out == 1.5).all())
+
+
+@SETTINGS
+@given(data=values_and_mask())
+def test_masked_min_max_match_reference_and_gradient_at_the_extremum(data):
+    values, mask = data
+    xs = masked_values_ref(values, mask)
+    assert masked_max(values, mask).item() == (max(xs) if xs else 0.0)
+    assert masked_min(values, mask).item() == (min(xs) if xs else 0.0)
+    rows = [masked_values_ref(values[b], mask[b]) for b in range(values.shape[0])]
+    assert masked_max(values, mask, dim=1).tolist() == [max(r) if r else 0.0 for r in rows]
+    # masked == sliced, and NaN where the mask is False never leaks.
+    poisoned = values.masked_fill(~mask, NAN)
+    assert masked_min(poisoned, mask).item() == masked_min(values[mask], torch.ones(len(xs), dtype=torch.bool)).item()
+    grad = _grad(lambda v: masked_max(v, mask), values)
+    assert grad.sum().item() == (1.0 if xs else 0.0) and bool((grad[~mask] == 0).all())
+
+
+def test_masked_min_max_bad_inputs():
+    values, mask = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ShapeError, match=r"masked_max: mask has shape \(2, 1\) but values has shape \(2, 3\)"):
+        masked_max(values, torch.ones(2, 1, dtype=torch.bool))
+    with pytest.raises(DTypeError, match="masked_min: values has dtype torch.int64; expected a floating-point"):
+        masked_min(values.long(), mask)
+    with pytest.raises(InvalidArgumentError, match="masked_min: fill must be a number \\(not NaN\\), got nan"):
+        masked_min(values, mask, fill=NAN)
+    with pytest.raises(InvalidArgumentError, match="masked_max: dim=2 is out of range for values of 2 dimensions"):
+        masked_max(values, mask, dim=2)
+
+
+# ----------------------------------------------------------------------------------------
+# statistics over ranks: sum_over_ranks
+# ----------------------------------------------------------------------------------------
+
+def _two_identical_ranks(x):
+    """sum_over_ranks of two ranks that hold the same shard: the batch doubled."""
+    return 2 * x
+
+
+@SETTINGS
+@given(data=values_and_mask())
+def test_sum_over_ranks_gives_the_statistics_of_the_whole_batch(data):
+    # Two ranks holding the same shard == one process on the shard concatenated with itself.
+    values, mask = data
+    both_v, both_m = torch.cat([values, values]), torch.cat([mask, mask])
+    kw = dict(sum_over_ranks=_two_identical_ranks)
+    torch.testing.assert_close(masked_mean(values, mask, **kw), masked_mean(both_v, both_m), rtol=1e-6, atol=1e-6)
+    for unbiased in (True, False):
+        torch.testing.assert_close(masked_var(values, mask, unbiased=unbiased, **kw),
+                                   masked_var(both_v, both_m, unbiased=unbiased), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(masked_whiten(values, mask, **kw), masked_whiten(both_v, both_m)[: len(values)],
+                               rtol=1e-5, atol=1e-6)
+    # The identity is one process.
+    torch.testing.assert_close(masked_whiten(values, mask, sum_over_ranks=lambda x: x), masked_whiten(values, mask),
+                               rtol=0, atol=0)
+
+
+def test_sum_over_ranks_hand_derived():
+    # Ranks hold [1, 3] and (simulated) [5, 7]: n = 4, mean 4, M2 = 9 + 1 + 1 + 9 = 20, var = 20 / 3.
+    # Pass 1 adds (count 2, sum 12) from the other rank; pass 2 adds its (5-4)^2 + (7-4)^2 = 10.
+    others = iter([torch.tensor([2.0, 12.0], dtype=torch.float64), torch.tensor([10.0], dtype=torch.float64)])
+    values, mask = torch.tensor([1.0, 3.0]), torch.ones(2, dtype=torch.bool)
+    var = masked_var(values, mask, sum_over_ranks=lambda x: x + next(others))
+    torch.testing.assert_close(var, torch.tensor(20 / 3), rtol=0, atol=1e-6)
+
+
+def test_variance_of_rewards_offset_by_1e4_is_exact():
+    # Float32 inputs near 1e4 (exactly representable): the two float64 passes match the
+    # exact variance of those inputs; float32 sums would be off in the 4th digit.
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randint(-8, 9, (64, 32), generator=g).float() / 8  # multiples of 1/8
+    mask = torch.rand(64, 32, generator=g) < 0.7
+    for offset in (0.0, 1e4, -1e4):
+        rewards = noise + offset
+        assert bool((rewards - offset == noise).all())  # the inputs are exact
+        torch.testing.assert_close(masked_var(rewards, mask), torch.tensor(masked_var_ref(noise, mask)).float(),
+                                   rtol=1e-6, atol=0)
+        torch.testing.assert_close(masked_whiten(rewards, mask), masked_whiten_ref(noise, mask).float(),
+                                   rtol=0, atol=1e-6)
+
+
+def test_sum_over_ranks_bad_inputs():
+    values, mask = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(InvalidArgumentError, match="masked_mean: sum_over_ranks with dim=1; .* pass dim=None"):
+        masked_mean(values, mask, dim=1, sum_over_ranks=lambda x: x)
+    with pytest.raises(InvalidArgumentError, match="masked_var: sum_over_ranks is a int; expected a function"):
+        masked_var(values, mask, sum_over_ranks=1)
+    with pytest.raises(ShapeError, match=r"masked_whiten: sum_over_ranks returned \(\) for a tensor of shape \(2,\)"):
+        masked_whiten(values, mask, sum_over_ranks=lambda x: x.sum())
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,18 +1,31 @@
-"""Masked reductions and loss aggregation.
+"""Masked reductions and loss aggregation: the one place that reduces over tokens, rows,
+micro-batches and ranks.
 
-All maths is float32 whatever the input dtype, positions where ``mask`` is False never
-reach the result (a NaN there does not leak), and an empty mask gives 0, never NaN.
+All maths is float32 whatever the input dtype (the statistics of ``masked_var`` and
+``masked_whiten`` are accumulated in float64), positions where ``mask`` is False never
+reach the result (a NaN there does not leak), and an empty mask gives a finite value
+(0, or the documented ``fill``), never NaN.
+
+Statistics over several ranks are the same functions: ``masked_mean``, ``masked_var``
+and ``masked_whiten`` take ``sum_over_ranks``, a function that sums a tensor over every
+rank (``torchforge.distributed.sum_over_ranks``; the identity when None). Every statistic
+is computed from sums (the count, the sum, then the squared deviations about the global
+mean), and each sum goes through it, so N processes get the statistics of the whole batch.
+This module never imports ``torch.distributed``.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from torchforge.batch import batch_args
+from torchforge.batch import is_batch
 from torchforge.errors import (
     InvalidArgumentError,
+    ShapeError,
     check_choice,
     check_float,
     check_mask,
@@ -26,6 +39,8 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "masked_min",
+    "masked_max",
     "aggregate",
     "Aggregation",
     "AGGREGATION_MODES",
@@ -33,9 +48,20 @@ __all__ = [
 
 AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
+SumOverRanks = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _check_not_batch(fn: str, name: str, values) -> None:
+    if is_batch(values):
+        raise InvalidArgumentError(
+            f"{fn}: {name} is a {type(values).__name__}; expected a tensor. The reductions read "
+            f"no batch key: pass the tensors, e.g. {fn}(batch.advantages, batch.mask)"
+        )
+
 
 def _masked(fn: str, values: torch.Tensor, mask: torch.Tensor, name: str = "values") -> torch.Tensor:
     """``values`` (the argument ``name``) in float32 with masked-out positions set to 0."""
+    _check_not_batch(fn, name, values)
     check_tensor(fn, name, values)
     check_float(fn, name, values)
     check_mask(fn, mask, name, values)
@@ -43,7 +69,38 @@ def _masked(fn: str, values: torch.Tensor, mask: torch.Tensor, name: str = "valu
     return torch.where(mask, values.float(), 0.0)
 
 
-@batch_args
+def _check_ranks(fn: str, dim: int | None, sum_over_ranks: SumOverRanks | None) -> None:
+    if sum_over_ranks is not None and dim is not None:
+        raise InvalidArgumentError(
+            f"{fn}: sum_over_ranks with dim={dim}; statistics over ranks reduce every dimension "
+            "(each rank holds different rows), so pass dim=None"
+        )
+    if sum_over_ranks is not None and not callable(sum_over_ranks):
+        raise InvalidArgumentError(
+            f"{fn}: sum_over_ranks is a {type(sum_over_ranks).__name__}; expected a function "
+            "tensor -> tensor summed over ranks (torchforge.distributed.sum_over_ranks) or None"
+        )
+
+
+def _over_ranks(fn: str, sum_over_ranks: SumOverRanks | None, *sums: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each scalar of ``sums`` summed over ranks, in float64, with one call of ``sum_over_ranks``."""
+    if sum_over_ranks is None:
+        return sums
+    packed = torch.stack([s.double() for s in sums])
+    total = sum_over_ranks(packed)
+    if not (isinstance(total, torch.Tensor) and total.shape == packed.shape):
+        seen = tuple(total.shape) if isinstance(total, torch.Tensor) else type(total).__name__
+        raise ShapeError(
+            f"{fn}: sum_over_ranks returned {seen} for a tensor of shape {tuple(packed.shape)}; "
+            "expected a tensor of the same shape (the elementwise sum over ranks)"
+        )
+    return tuple(total.to(packed.device, torch.float64).unbind(0))
+
+
+def _sum(x: torch.Tensor, dim: int | None, keepdim: bool = False) -> torch.Tensor:
+    return x.sum() if dim is None else x.sum(dim, keepdim=keepdim)
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, *, dim: int | None = None) -> torch.Tensor:
     """Sum of ``values`` where ``mask`` is True.
 
@@ -61,21 +118,34 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, *, dim: int | None = No
         >>> import torch
         >>> masked_sum(torch.tensor([1., 2., float("nan")]), torch.tensor([True, True, False]))
         tensor(3.)
+
+    Note:
+        The masked reductions take tensors only, not a ``Batch``: their ``values`` is any
+        tensor, not the critic's ``values`` key (reading that key silently was a trap).
     """
-    masked = _masked("masked_sum", values, mask)
-    return masked.sum() if dim is None else masked.sum(dim)
+    return _sum(_masked("masked_sum", values, mask), dim)
 
 
-@batch_args
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, *, dim: int | None = None) -> torch.Tensor:
+def masked_mean(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    dim: int | None = None,
+    sum_over_ranks: SumOverRanks | None = None,
+) -> torch.Tensor:
     """Mean of ``values`` over the positions where ``mask`` is True.
 
-    ``masked_mean = sum_i values_i mask_i / max(sum_i mask_i, 1)``; an empty mask gives 0.
+    ``masked_mean = S / max(n, 1)`` with ``S = sum_i values_i mask_i`` and
+    ``n = sum_i mask_i``, each summed over ranks by ``sum_over_ranks``; an empty mask
+    gives 0.
 
     Args:
         values: [...] float tensor.
         mask: bool tensor of the shape of ``values``.
         dim: dimension to reduce; None reduces all.
+        sum_over_ranks: sums a tensor over every rank
+            (``torchforge.distributed.sum_over_ranks``); then the mean is that of the
+            counted values of every rank. Only with ``dim=None``. None: this process only.
 
     Returns:
         float32 tensor: scalar, or ``values`` without ``dim``.
@@ -85,26 +155,66 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, *, dim: int | None = N
         >>> masked_mean(torch.tensor([[1., 3.], [5., 7.]]), torch.tensor([[True, True], [False, False]]), dim=1)
         tensor([2., 0.])
     """
-    masked = _masked("masked_mean", values, mask)
-    if dim is None:
-        return masked.sum() / mask.sum().clamp(min=1)
-    return masked.sum(dim) / mask.sum(dim).clamp(min=1)
+    fn = "masked_mean"
+    _check_ranks(fn, dim, sum_over_ranks)
+    masked = _masked(fn, values, mask)
+    if sum_over_ranks is None:
+        return _sum(masked, dim) / _sum(mask, dim).clamp(min=1)
+    total, count = _over_ranks(fn, sum_over_ranks, masked.sum(), mask.sum())
+    return (total / count.clamp(min=1)).float()
 
 
-@batch_args
+def _deviation_and_var(
+    fn: str,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    dim: int | None,
+    unbiased: bool,
+    sum_over_ranks: SumOverRanks | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 ``(values - mean)`` (0 where masked), ``mean`` and ``var``, in two passes.
+
+    Pass 1 sums the count and the values; pass 2 the squared deviations about the mean
+    of pass 1. Every sum goes through ``sum_over_ranks``. Two passes in float64 keep the
+    variance of rewards offset by 1e4 exact to float32 precision (the one-pass
+    ``E[x^2] - E[x]^2`` cancels catastrophically there).
+    """
+    _check_ranks(fn, dim, sum_over_ranks)
+    x = _masked(fn, values, mask).double()
+    count, total = _over_ranks(fn, sum_over_ranks, _sum(mask, dim, keepdim=True), _sum(x, dim, keepdim=True))
+    mean = total / count.clamp(min=1)
+    deviation = torch.where(mask, x - mean, 0.0)
+    # d M2 / d mean = -2 sum (x - mean) = 0 over the whole batch, so the mean is a constant
+    # in M2: the gradient is then exact on every rank, whose M2 share alone would not be.
+    fixed = torch.where(mask, x - mean.detach(), 0.0)
+    (squared,) = _over_ranks(fn, sum_over_ranks, _sum(fixed**2, dim, keepdim=True))
+    denominator = count - 1 if unbiased else count
+    var = torch.where(denominator > 0, squared / denominator.clamp(min=1), 0.0)
+    return deviation, mean, var
+
+
 def masked_var(
-    values: torch.Tensor, mask: torch.Tensor, *, dim: int | None = None, unbiased: bool = True
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    dim: int | None = None,
+    unbiased: bool = True,
+    sum_over_ranks: SumOverRanks | None = None,
 ) -> torch.Tensor:
     """Variance of ``values`` over the positions where ``mask`` is True.
 
-    ``masked_var = sum_i mask_i (values_i - mean)^2 / (n - 1)`` with ``n = sum_i mask_i``
-    (``/ n`` when ``unbiased=False``).
+    With ``n = sum_i mask_i``, ``mean = sum_i values_i mask_i / n`` and
+    ``M2 = sum_i mask_i (values_i - mean)^2`` (each sum over ranks by ``sum_over_ranks``):
+    ``masked_var = M2 / (n - 1)`` (``/ n`` when ``unbiased=False``).
 
     Args:
         values: [...] float tensor.
         mask: bool tensor of the shape of ``values``.
         dim: dimension to reduce; None reduces all.
         unbiased: apply Bessel's correction.
+        sum_over_ranks: sums a tensor over every rank
+            (``torchforge.distributed.sum_over_ranks``): the variance of every rank's
+            counted values. Only with ``dim=None``. None: this process only.
 
     Returns:
         float32 tensor: scalar, or ``values`` without ``dim``.
@@ -112,37 +222,41 @@ def masked_var(
     Note:
         With fewer counted positions than the correction needs (n <= 1 unbiased, n = 0
         biased) the variance is returned as 0 rather than NaN or an error (TRL's
-        ``masked_var`` raises): one sample has no spread.
+        ``masked_var`` raises): one sample has no spread. The sums are float64, two
+        passes (mean, then squared deviations), so a constant offset (rewards near 1e4)
+        does not change the result.
 
     Example:
         >>> import torch
         >>> masked_var(torch.tensor([1., 3., 100.]), torch.tensor([True, True, False]))
         tensor(2.)
     """
-    masked = _masked("masked_var", values, mask)
-    count = mask.sum() if dim is None else mask.sum(dim)
-    total = masked.sum() if dim is None else masked.sum(dim, keepdim=True)
-    mean = total / (count if dim is None else count.unsqueeze(dim)).clamp(min=1)
-    squared = torch.where(mask, (masked - mean) ** 2, 0.0)
-    sq_sum = squared.sum() if dim is None else squared.sum(dim)
-    denominator = count - 1 if unbiased else count
-    return torch.where(denominator > 0, sq_sum / denominator.clamp(min=1), 0.0)
+    _, _, var = _deviation_and_var("masked_var", values, mask, dim, unbiased, sum_over_ranks)
+    return (var if dim is None else var.squeeze(dim)).float()
 
 
-@batch_args
 def masked_whiten(
-    values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    sum_over_ranks: SumOverRanks | None = None,
 ) -> torch.Tensor:
     """Normalize ``values`` to zero mean and unit variance over the counted positions.
 
     ``whitened = (values - mean) / sqrt(var + eps)`` with the masked mean and (unbiased)
-    variance over all dimensions; with ``shift_mean=False`` the mean is added back.
+    variance of :func:`masked_var` over all dimensions (and over all ranks with
+    ``sum_over_ranks``); with ``shift_mean=False`` the mean is added back.
 
     Args:
         values: [...] float tensor.
         mask: bool tensor of the shape of ``values``.
         shift_mean: subtract the mean (True) or keep it (False, as in TRL's ``whiten``).
         eps: added to the variance before the square root.
+        sum_over_ranks: sums a tensor over every rank
+            (``torchforge.distributed.sum_over_ranks``): whiten with the statistics of the
+            whole batch over all ranks, so that N processes equal one. None: this process.
 
     Returns:
         float32 tensor of the shape of ``values``; 0 where ``mask`` is False. A new
@@ -152,21 +266,96 @@ def masked_whiten(
         >>> import torch
         >>> masked_whiten(torch.tensor([1., 3., 9.]), torch.tensor([True, True, False]), eps=0.0)
         tensor([-0.7071,  0.7071,  0.0000])
+
+    Note:
+        Constant values (``var + eps == 0``) whiten to 0, not to NaN. With
+        ``sum_over_ranks`` the gradient flows through this rank's share of the sums; the
+        other ranks' shares are constants.
     """
-    check_non_negative("masked_whiten", "eps", eps)
-    masked = _masked("masked_whiten", values, mask)
-    mean = masked.sum() / mask.sum().clamp(min=1)
-    var = masked_var(values, mask) + eps
-    # Constant values (var + eps == 0) whiten to 0, not to 0 * inf = NaN; the inner where
-    # keeps rsqrt away from 0 so that its gradient (0 * inf) cannot be NaN either.
+    fn = "masked_whiten"
+    check_non_negative(fn, "eps", eps)
+    deviation, mean, var = _deviation_and_var(fn, values, mask, None, True, sum_over_ranks)
+    var = var + eps
+    # The inner where keeps rsqrt away from 0 so that its gradient (0 * inf) cannot be NaN.
     positive = var > 0
-    whitened = (masked - mean) * torch.where(positive, torch.rsqrt(torch.where(positive, var, 1.0)), 0.0)
+    whitened = deviation * torch.where(positive, torch.rsqrt(torch.where(positive, var, 1.0)), 0.0)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(mask, whitened, 0.0)
+    return torch.where(mask, whitened, 0.0).float()
 
 
-@batch_args
+def _masked_extremum(fn: str, values, mask, dim, fill, largest: bool) -> torch.Tensor:
+    if not isinstance(fill, (int, float)) or isinstance(fill, bool) or math.isnan(fill):
+        raise InvalidArgumentError(f"{fn}: fill must be a number (not NaN), got {fill!r}")
+    _check_not_batch(fn, "values", values)
+    check_tensor(fn, "values", values)
+    check_float(fn, "values", values)
+    check_mask(fn, mask, "values", values)
+    if dim is not None and not -values.ndim <= dim < max(values.ndim, 1):
+        raise InvalidArgumentError(f"{fn}: dim={dim} is out of range for values of {values.ndim} dimensions")
+    blank = -torch.inf if largest else torch.inf
+    filled = torch.where(mask, values.float(), blank)
+    if (filled.numel() == 0) if dim is None else (filled.shape[dim] == 0):
+        shape = () if dim is None else filled.sum(dim).shape
+        return torch.full(shape, float(fill), device=values.device)
+    reduce = torch.amax if largest else torch.amin
+    extremum = reduce(filled) if dim is None else reduce(filled, dim)
+    return torch.where(_sum(mask, dim) > 0, extremum, float(fill))
+
+
+def masked_max(values: torch.Tensor, mask: torch.Tensor, *, dim: int | None = None, fill: float = 0.0) -> torch.Tensor:
+    """Largest of ``values`` over the positions where ``mask`` is True.
+
+    ``masked_max = max_{i: mask_i} values_i``, and ``fill`` where nothing is counted.
+
+    Args:
+        values: [...] float tensor.
+        mask: bool tensor of the shape of ``values``.
+        dim: dimension to reduce; None reduces all.
+        fill: the value of an empty mask (default 0, finite). Pass ``-math.inf`` when
+            the result is combined with other maxima (micro-batches, ranks:
+            ``torchforge.distributed.reduce_metric_extrema``), so that an empty part
+            never wins.
+
+    Returns:
+        float32 tensor: scalar, or ``values`` without ``dim``.
+
+    Example:
+        >>> import torch
+        >>> masked_max(torch.tensor([[1., 9.], [5., 7.]]), torch.tensor([[True, False], [False, False]]), dim=1)
+        tensor([1., 0.])
+
+    Note:
+        A maximum of maxima is exact; a mean of per-micro-batch maxima (what a token-
+        weighted metric average gives) is not a maximum. The gradient goes to the
+        counted position(s) holding the maximum, as with ``torch.amax``.
+    """
+    return _masked_extremum("masked_max", values, mask, dim, fill, largest=True)
+
+
+def masked_min(values: torch.Tensor, mask: torch.Tensor, *, dim: int | None = None, fill: float = 0.0) -> torch.Tensor:
+    """Smallest of ``values`` over the positions where ``mask`` is True.
+
+    ``masked_min = min_{i: mask_i} values_i``, and ``fill`` where nothing is counted.
+
+    Args:
+        values: [...] float tensor.
+        mask: bool tensor of the shape of ``values``.
+        dim: dimension to reduce; None reduces all.
+        fill: the value of an empty mask (default 0, finite); ``math.inf`` when the result
+            is combined with other minima (see :func:`masked_max`).
+
+    Returns:
+        float32 tensor: scalar, or ``values`` without ``dim``.
+
+    Example:
+        >>> import torch
+        >>> masked_min(torch.tensor([3., -1., float("nan")]), torch.tensor([True, True, False]))
+        tensor(-1.)
+    """
+    return _masked_extremum("masked_min", values, mask, dim, fill, largest=False)
+
+
 def aggregate(
     per_token: torch.Tensor,
     mask: torch.Tensor,
@@ -241,6 +430,7 @@ def aggregate(
         DAPO, https://arxiv.org/abs/2503.14476; Dr. GRPO, https://arxiv.org/abs/2503.20783
     """
     fn = "aggregate"
+    _check_not_batch(fn, "per_token", per_token)
     check_tensor(fn, "per_token", per_token, ndim=2)
     check_choice(fn, "mode", mode, AGGREGATION_MODES)
     if not (isinstance(dp_size, int) and dp_size >= 1):

@@ -174,10 +174,11 @@ def test_sync_weights_single_process():
 def spawned(tmp_path_factory):
     """One torchrun launch (torchforge.distributed.launch) of 2 workers running all scenarios."""
     out = tmp_path_factory.mktemp("dist")
-    rc = launch(2, [str(W.WORKER), str(out), "counts", "grads", "generate"], module=None)
+    rc = launch(2, [str(W.WORKER), str(out), "counts", "statistics", "grads", "generate"], module=None)
     assert rc == 0, "distributed workers failed (their output is above)"
     results = {name: torch.load(out / f"{name}.pt", weights_only=False) for name in ("grads", "generate")}
     results["counts"] = [torch.load(out / f"counts_rank{r}.pt", weights_only=False) for r in range(2)]
+    results["statistics"] = [torch.load(out / f"statistics_rank{r}.pt", weights_only=True) for r in range(2)]
     return results
 
 
@@ -187,6 +188,30 @@ def test_counts_and_metric_sums_over_ranks(spawned):
         assert got["env_world"] == "2"
         assert [c.item() for c in got["counts"]] == [27, 7]
         assert got["sums"]["tokens"].item() == 27.0 and got["sums"]["rank"].item() == 1.0
+
+
+def test_statistics_over_ranks_equal_one_process_on_the_whole_batch(spawned):
+    # Each rank holds half of the rows (uneven token counts: 23 and 4) of values near 1e4;
+    # masked_* with sum_over_ranks on each rank == one process on the concatenated batch.
+    from torchforge.reduce import masked_mean, masked_var, masked_whiten
+
+    values, mask = W.global_values(), W.global_batch()["mask"]
+    whitened = masked_whiten(values, mask)
+    weights = torch.arange(24.0).view(4, 6)
+    for r, got in enumerate(spawned["statistics"]):
+        rows = slice(4 * r, 4 * r + 4)
+        torch.testing.assert_close(got["mean"], masked_mean(values, mask), rtol=0, atol=0)
+        torch.testing.assert_close(got["var"], masked_var(values, mask), rtol=1e-6, atol=0)
+        torch.testing.assert_close(got["var_biased"], masked_var(values, mask, unbiased=False), rtol=1e-6, atol=0)
+        torch.testing.assert_close(got["whiten"], whitened[rows], rtol=0, atol=1e-6)
+        assert torch.equal(got["whiten_over_ranks"], got["whiten"])
+        # The gradient of this rank's loss with respect to its values is that of one process
+        # on the whole batch (sum_over_ranks passes the gradient of this rank's share).
+        full = values.clone().requires_grad_()
+        (expected,) = torch.autograd.grad((masked_whiten(full, mask)[rows] * weights).sum(), full)
+        torch.testing.assert_close(got["grad"], expected[rows], rtol=1e-5, atol=1e-5)
+        assert got["extrema"] == {"rank_max": 1.0, "empty_max": -float("inf"), "rank_min": 0.0, "only_1": 7.0}
+        assert got["gathered"].tolist() == [0.0, 1.0, 2.0, 10.0]
 
 
 _reference_cache: dict = {}
@@ -305,7 +330,26 @@ def test_whiten_over_ranks_is_masked_whiten_in_one_process(B, T, seed, eps):
 def test_whiten_over_ranks_errors():
     from torchforge.distributed import whiten_over_ranks
 
-    with pytest.raises(InvalidArgumentError, match=r"whiten_over_ranks: eps must be >= 0, got -1"):
+    with pytest.raises(InvalidArgumentError, match=r"masked_whiten: eps must be >= 0, got -1"):
         whiten_over_ranks(torch.zeros(2, 2), torch.ones(2, 2, dtype=torch.bool), eps=-1)
-    with pytest.raises(ShapeError, match="whiten_over_ranks"):
+    with pytest.raises(ShapeError, match=r"masked_whiten: mask has shape \(2, 3\) but values has shape \(2, 2\)"):
         whiten_over_ranks(torch.zeros(2, 2), torch.ones(2, 3, dtype=torch.bool))
+
+
+def test_single_process_collectives_are_the_identity():
+    from torchforge.distributed import gather_over_ranks, reduce_metric_extrema, sum_over_ranks
+
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    assert sum_over_ranks(x) is x
+    assert gather_over_ranks(x.detach()).tolist() == [1.0, 2.0]
+    assert reduce_metric_extrema({}, {}) == {}
+    got = reduce_metric_extrema({"a": 2, "b": torch.tensor([-1.0])}, {"c": 0.5})
+    assert got == {"a": 2.0, "b": -1.0, "c": 0.5} and all(v.dtype == torch.float64 for v in got.values())
+    with pytest.raises(InvalidArgumentError, match=r"reduce_metric_extrema: \['a'\] are in both maxima and minima"):
+        reduce_metric_extrema({"a": 1.0}, {"a": 0.0})
+    with pytest.raises(InvalidArgumentError, match=r"reduce_metric_extrema: minima\['c'\] has shape \(2,\); expected a scalar"):
+        reduce_metric_extrema({}, {"c": torch.zeros(2)})
+    with pytest.raises(InvalidArgumentError, match=r"reduce_metric_extrema: maxima must be a dict of scalars, got list"):
+        reduce_metric_extrema([], {})
+    with pytest.raises(ShapeError, match=r"gather_over_ranks: values has shape \(2, 2\); expected 1 dimension"):
+        gather_over_ranks(torch.zeros(2, 2))

@@ -21,8 +21,11 @@ from torchforge.distributed.checkpoint import (
     set_rng_state,
 )
 from torchforge.distributed.collectives import (
+    gather_over_ranks,
     global_counts,
+    reduce_metric_extrema,
     reduce_metric_sums,
+    sum_over_ranks,
     whiten_over_ranks,
 )
 from torchforge.distributed.parallelize import (
@@ -56,6 +59,9 @@ __all__ = [
     "launch",
     "global_counts",
     "reduce_metric_sums",
+    "reduce_metric_extrema",
+    "sum_over_ranks",
+    "gather_over_ranks",
     "whiten_over_ranks",
     "shard",
     "unwrap_model",

@@ -1,4 +1,7 @@
-"""Collectives that make a step exact across ranks: global counts and summed metrics.
+"""Collectives that make a step exact across ranks: global counts, sums for the masked
+statistics of :mod:`torchforge.reduce`, and metrics reduced as sums or as extrema.
+
+Every function is the identity in a single process (no process group).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import torch.distributed as dist
 
 from torchforge.distributed.process_group import _collective_device, is_distributed
 from torchforge.errors import InvalidArgumentError, check_mask, check_tensor
+from torchforge.reduce import masked_whiten
 
 # --- exact counts and metrics ------------------------------------------------------------
 
@@ -107,15 +111,152 @@ def reduce_metric_sums(sums: dict[str, torch.Tensor | float]) -> dict[str, torch
     return dict(zip(sums.keys(), stacked.unbind(0)))
 
 
+def reduce_metric_extrema(
+    maxima: dict[str, torch.Tensor | float], minima: dict[str, torch.Tensor | float]
+) -> dict[str, torch.Tensor]:
+    """Reduce metrics that are maxima (or minima) over ranks, in one collective.
+
+    ``out[k] = max_ranks maxima[k]`` and ``out[k] = min_ranks minima[k]`` (one
+    ``all_reduce`` MAX of the maxima and the negated minima). Metrics such as
+    ``ratio_max`` / ``ratio_min`` must be reduced this way: a token-weighted mean of
+    per-micro-batch maxima is not the maximum of the batch. Over the micro-batches of one
+    rank, take ``max`` / ``min`` of the values before calling this.
+
+    Args:
+        maxima: name -> scalar (tensor or number) to take the maximum of. A rank (or a
+            micro-batch) with nothing counted passes ``-inf``
+            (``masked_max(..., fill=-math.inf)``), which never wins.
+        minima: name -> scalar to take the minimum of; ``+inf`` for nothing counted.
+            Every rank must pass the same keys in the same order; a name may not be in
+            both dicts.
+
+    Returns:
+        One dict with the keys of ``maxima`` then ``minima``; float64 scalars on the CPU,
+        detached, identical on every rank. A value no rank had stays ``-inf`` / ``+inf``:
+        drop it before logging or log it as "nothing counted".
+
+    Example:
+        >>> import torch
+        >>> reduce_metric_extrema({"ratio_max": torch.tensor(1.5)}, {"ratio_min": 0.5})
+        {'ratio_max': tensor(1.5000, dtype=torch.float64), 'ratio_min': tensor(0.5000, dtype=torch.float64)}
+    """
+    fn = "reduce_metric_extrema"
+    for name, metrics in (("maxima", maxima), ("minima", minima)):
+        if not isinstance(metrics, dict):
+            raise InvalidArgumentError(f"{fn}: {name} must be a dict of scalars, got {type(metrics).__name__}")
+    both = sorted(set(maxima) & set(minima))
+    if both:
+        raise InvalidArgumentError(f"{fn}: {both} are in both maxima and minima; expected each name in one of them")
+    values = []
+    for name, metrics, sign in (("maxima", maxima, 1.0), ("minima", minima, -1.0)):
+        for key, value in metrics.items():
+            value = torch.as_tensor(value).detach()
+            if value.numel() != 1:
+                raise InvalidArgumentError(
+                    f"{fn}: {name}[{key!r}] has shape {tuple(value.shape)}; expected a scalar"
+                )
+            values.append(sign * value.reshape(()).to("cpu", torch.float64))
+    if not values:
+        return {}
+    stacked = torch.stack(values)
+    if is_distributed():
+        on_device = stacked.to(_collective_device(torch.device("cpu")))
+        dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
+        stacked = on_device.cpu()
+    signs = torch.tensor([1.0] * len(maxima) + [-1.0] * len(minima), dtype=torch.float64)
+    return dict(zip([*maxima, *minima], (signs * stacked).unbind(0)))
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce SUM forward; identity backward (this rank's share of the sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        total = x.detach().to(_collective_device(x.device), copy=True)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total.to(x.device)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise sum of ``x`` over every rank (one ``all_reduce`` SUM); ``x`` in one process.
+
+    ``out = sum_ranks x``. Pass it as ``sum_over_ranks=`` to ``masked_mean``,
+    ``masked_var`` and ``masked_whiten`` (and the advantage estimators that take it) to get
+    the statistics of the whole batch over all ranks. Every rank must call it (it is a
+    collective) with a tensor of the same shape and dtype.
+
+    Args:
+        x: tensor of any shape (the statistics pass a [K] float64 tensor of sums).
+
+    Returns:
+        A new tensor of the shape, dtype and device of ``x`` (moved to the CUDA device for
+        the collective under nccl, and back). In a single process, ``x`` itself.
+
+    Example:
+        >>> import torch
+        >>> from torchforge.reduce import masked_var
+        >>> masked_var(torch.tensor([1., 3.]), torch.tensor([True, True]), sum_over_ranks=sum_over_ranks)
+        tensor(2.)
+
+    Note:
+        The gradient of ``out`` with respect to ``x`` is the identity: the gradient flows
+        through this rank's share of the sum, the other ranks' shares are constants, and
+        no collective runs in the backward pass.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise InvalidArgumentError(f"sum_over_ranks: x must be a torch.Tensor, got {type(x).__name__}")
+    if not is_distributed():
+        return x
+    return _SumOverRanks.apply(x)
+
+
+def gather_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    """The 1-D ``values`` of every rank, concatenated in rank order (lengths may differ).
+
+    ``out = cat(values_rank0, values_rank1, ...)``, with one ``all_reduce`` of the lengths
+    and one ``all_gather`` of the values padded to the longest. Use it for statistics that
+    are not sums, such as the entropy quantile of
+    :func:`torchforge.corrections.entropy_threshold`.
+
+    Args:
+        values: [N] tensor (N may differ between ranks; dtypes must agree).
+
+    Returns:
+        [sum of N over ranks] tensor on the device of ``values``; ``values`` in one process.
+
+    Example:
+        >>> import torch
+        >>> gather_over_ranks(torch.tensor([1., 2.]))
+        tensor([1., 2.])
+    """
+    fn = "gather_over_ranks"
+    check_tensor(fn, "values", values, ndim=1)
+    if not is_distributed():
+        return values
+    device = _collective_device(values.device)
+    lengths = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
+    lengths[dist.get_rank()] = values.shape[0]
+    dist.all_reduce(lengths, op=dist.ReduceOp.SUM)
+    longest = int(lengths.max())
+    padded = torch.zeros(longest, dtype=values.dtype, device=device)
+    padded[: values.shape[0]] = values.detach().to(device)
+    gathered = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, padded)
+    return torch.cat([g[:n] for g, n in zip(gathered, lengths.tolist())]).to(values.device)
+
 
 def whiten_over_ranks(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8) -> torch.Tensor:
     """``masked_whiten`` with the mean and variance of the whole batch over all ranks.
 
+    ``masked_whiten(values, mask, eps=eps, sum_over_ranks=sum_over_ranks)``:
     ``(values - mean) / sqrt(var + eps)`` at counted positions (0 elsewhere), where ``mean``
-    and the unbiased ``var`` are those of every counted value on every rank, computed in
-    two passes (sum, then squared deviations) with one all-reduce each in float64. Whitening
-    each rank's shard on its own would give each rank different statistics, and the
-    update would depend on the number of processes.
+    and the unbiased ``var`` are those of every counted value on every rank (two float64
+    passes, each sum all-reduced). Whitening each rank's shard on its own would give each
+    rank different statistics, and the update would depend on the number of processes.
 
     Args:
         values: [B, T] float values of this rank (e.g. GAE advantages).
@@ -130,17 +271,4 @@ def whiten_over_ranks(values: torch.Tensor, mask: torch.Tensor, *, eps: float = 
         >>> whiten_over_ranks(torch.tensor([[1., 3., 9.]]), torch.tensor([[True, True, False]]), eps=0.0)
         tensor([[-0.7071,  0.7071,  0.0000]])
     """
-    fn = "whiten_over_ranks"
-    check_tensor(fn, "values", values)
-    check_mask(fn, mask, "values", values)
-    if not eps >= 0:
-        raise InvalidArgumentError(f"{fn}: eps must be >= 0, got {eps!r}")
-    x = torch.where(mask, values.double(), 0.0)
-    first = reduce_metric_sums({"n": mask.sum(), "sum": x.sum()})
-    n = first["n"]
-    mean = first["sum"] / n.clamp(min=1)
-    deviation = torch.where(mask, x - mean.to(x.device), 0.0)
-    var = reduce_metric_sums({"sq": (deviation ** 2).sum()})["sq"] / (n - 1).clamp(min=1)
-    var = var if n > 1 else torch.zeros((), dtype=torch.float64)
-    scale = torch.rsqrt(var + eps) if var + eps > 0 else torch.zeros((), dtype=torch.float64)
-    return (deviation * scale.to(x.device)).float()
+    return masked_whiten(values, mask, eps=eps, sum_over_ranks=sum_over_ranks)
