@@ -25,13 +25,11 @@ from torchforge.errors import (
     check_tensor,
     shape_str,
 )
+from torchforge.log_probs import _check_temperature, _chunk_rows, _row_chunks
 
 __all__ = ["approx_kl", "exact_kl", "KL_ESTIMATORS"]
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
-
-# Rows per chunk of exact_kl by default: about 8M elements (32 MB in float32) per buffer.
-_CHUNK_ELEMENTS = 1 << 23
 
 
 @batch_args
@@ -158,13 +156,6 @@ def _kl_rows(x, y, temperature, dtype, masked=False):
     return p.mul_(diff).sum(-1)  # in place: no fourth buffer
 
 
-def _chunks(rows: int | torch.Tensor, chunk_size: int):
-    """Row slices of ``range(rows)``, or index chunks of the index tensor ``rows``."""
-    if isinstance(rows, torch.Tensor):
-        return rows.split(chunk_size)
-    return [slice(start, start + chunk_size) for start in range(0, rows, chunk_size)]
-
-
 class _ExactKL(torch.autograd.Function):
     """Full-vocabulary KL with a chunked forward and a chunked (recomputing) backward.
 
@@ -177,10 +168,10 @@ class _ExactKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ref_logits, temperature, chunk_size, dtype):
         out = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
-        for rows in _chunks(logits.shape[0], chunk_size):
+        for rows in _row_chunks(logits.shape[0], chunk_size):
             out[rows] = _kl_rows(logits[rows], ref_logits[rows], temperature, dtype)
         ctx.masked_rows = torch.isnan(out).nonzero().squeeze(-1)
-        for rows in _chunks(ctx.masked_rows, chunk_size):
+        for rows in _row_chunks(ctx.masked_rows, chunk_size):
             out[rows] = _kl_rows(logits[rows], ref_logits[rows], temperature, dtype, masked=True)
         # a KL near 0 can sum to a rounding residue below 0 (-4e-18 seen); KL >= 0 exactly
         out.clamp_(min=0.0)
@@ -196,8 +187,8 @@ class _ExactKL(torch.autograd.Function):
         grad_logits = torch.empty_like(logits) if need_logits else None
         grad_ref = torch.empty_like(ref_logits) if need_ref else None
         temperature, chunk_size, dtype = ctx.temperature, ctx.chunk_size, ctx.dtype
-        chunks = [(rows, False) for rows in _chunks(logits.shape[0], chunk_size)]
-        chunks += [(rows, True) for rows in _chunks(ctx.masked_rows, chunk_size)]
+        chunks = [(rows, False) for rows in _row_chunks(logits.shape[0], chunk_size)]
+        chunks += [(rows, True) for rows in _row_chunks(ctx.masked_rows, chunk_size)]
         for rows, masked in chunks:  # masked rows overwrite what the fast path wrote
             p, diff, log_q = _kl_chunk(logits[rows], ref_logits[rows], temperature, dtype, masked)
             scale = grad_out[rows].to(dtype).unsqueeze(-1) / temperature
@@ -235,8 +226,9 @@ def exact_kl(
         logits: [B, T, V] float logits of the policy pi (any float dtype).
         ref_logits: [B, T, V] float logits of the reference policy (its dtype may differ).
         temperature: > 0; both sets of logits are divided by it first, as in sampling.
-        chunk_size: rows (positions) per chunk; default about 8M elements per chunk.
-            The result does not depend on it.
+        chunk_size: rows (positions) per chunk; default about 8M elements per chunk
+            (``LOGITS_CHUNK_ELEMENTS // V``, the policy of every chunked kernel). The
+            result does not depend on it.
 
     Returns:
         [B, T] float32 KL per position (float64 if an input is float64), >= 0. Positions
@@ -282,21 +274,12 @@ def exact_kl(
         )
     if logits.shape[-1] == 0:
         raise ShapeError(f"{fn}: logits has shape {shape_str(logits)}; expected a vocabulary V >= 1")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise InvalidArgumentError(
-            f"{fn}: temperature must be a number, got {type(temperature).__name__}"
-        )
-    check_positive(fn, "temperature", temperature)
-    if math.isinf(temperature):
-        raise InvalidArgumentError(f"{fn}: temperature must be finite, got {temperature}")
+    temperature = _check_temperature(fn, temperature)
     B, T, V = logits.shape
-    if chunk_size is None:
-        chunk_size = max(1, _CHUNK_ELEMENTS // V)
-    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise InvalidArgumentError(f"{fn}: chunk_size must be an int >= 1 or None, got {chunk_size!r}")
+    chunk_size = _chunk_rows(fn, chunk_size, V)
 
     dtype = torch.promote_types(torch.promote_types(logits.dtype, ref_logits.dtype), torch.float32)
     kl = _ExactKL.apply(
-        logits.reshape(B * T, V), ref_logits.reshape(B * T, V), float(temperature), chunk_size, dtype
+        logits.reshape(B * T, V), ref_logits.reshape(B * T, V), temperature, chunk_size, dtype
     )
     return kl.view(B, T)
