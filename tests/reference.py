@@ -357,3 +357,140 @@ def zero_std_groups_ref(rewards, group_size):
         group = [x for x in values[start:start + group_size] if not math.isnan(x)]
         out += [len(set(group)) <= 1] * group_size
     return torch.tensor(out, dtype=torch.bool)
+
+
+def passk_advantages_ref(rewards, group_size, k, scale, eps):
+    """Pass@k training (arXiv 2508.10751) per group with math.comb, as the authors' calc_adv."""
+    flat = [float(r) for r in rewards]
+    out = []
+    for g in range(0, len(flat), group_size):
+        group = flat[g:g + group_size]
+        valid = [r for r in group if not math.isnan(r)]
+        n, c = len(valid), sum(1 for r in valid if r == 1.0)
+        if n < k:
+            out += [0.0] * len(group)
+            continue
+        rho = 1 - math.comb(n - c, k) / math.comb(n, k)
+        sigma = math.sqrt(rho * (1 - rho))
+        a_pos = 1 - rho
+        a_neg = 1 - rho - (math.comb(n - c - 1, k - 1) / math.comb(n - 1, k - 1) if n - c >= 1 else 0.0)
+        div = (sigma + eps) if scale == "group" else 1.0
+        for r in group:
+            if math.isnan(r) or sigma == 0:
+                out.append(0.0)
+            else:
+                out.append((a_pos if r == 1.0 else a_neg) / div)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def opo_advantages_ref(rewards, lengths, group_size):
+    """OPO: r minus the length-weighted mean reward of the group (finite rewards only)."""
+    flat, lens = [float(r) for r in rewards], [int(x) for x in lengths]
+    out = []
+    for g in range(0, len(flat), group_size):
+        pairs = [(r, n) for r, n in zip(flat[g:g + group_size], lens[g:g + group_size]) if not math.isnan(r)]
+        total = sum(n for _, n in pairs)
+        tied = len({r for r, _ in pairs}) <= 1
+        b = sum(r * n for r, n in pairs) / total if total else 0.0
+        for r in flat[g:g + group_size]:
+            out.append(0.0 if math.isnan(r) or tied or total == 0 else r - b)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def remax_advantages_ref(rewards, baseline_rewards, mask):
+    """ReMax: per-row reverse running sum over counted tokens minus the greedy baseline."""
+    B, T = mask.shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    returns = discounted_returns_ref(rewards, mask, 1.0)
+    for b in range(B):
+        base = float(baseline_rewards[b])
+        if math.isnan(base) or (rewards.dim() == 1 and math.isnan(float(rewards[b]))):
+            continue
+        for t in range(T):
+            if mask[b, t]:
+                out[b, t] = float(returns[b, t]) - base
+    return out
+
+
+def gdpo_advantages_ref(rewards, group_size, weights, eps):
+    """GDPO / TRL normalize_then_sum: per-reward group normalization, weighted sum, batch std."""
+    import statistics
+
+    B, K = rewards.shape
+    columns = [group_advantages_ref(rewards[:, k], group_size, "group", eps) for k in range(K)]
+    s = [sum(float(weights[k]) * float(columns[k][i]) for k in range(K)) for i in range(B)]
+    rows = [i for i in range(B) if any(not math.isnan(float(rewards[i, k])) for k in range(K))]
+    std = statistics.stdev([s[i] for i in rows]) if len(rows) > 1 else 0.0
+    mean = statistics.fmean(s)  # TRL subtracts the batch mean (0 up to rounding)
+    return torch.tensor([(x - mean) / (std + eps) if std + eps > 0 else 0.0 for x in s], dtype=torch.float64)
+
+
+# --- losses (SAPO, GMPO, Clip-Cov, KL-Cov) and kl (verl's low_var_kl) --------------------
+
+def verl_low_var_kl_ref(log_probs, ref_log_probs):
+    """verl's ``kl_penalty(..., "low_var_kl")`` (core_algos), in differentiable torch ops:
+    ``kl = clamp(ref - lp, -20, 20)``, ``clamp(exp(kl) - kl - 1, -10, 10)``."""
+    kl = torch.clamp(ref_log_probs - log_probs, min=-20, max=20)
+    return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+
+
+def sapo_per_token_ref(lp, old, adv, mask, tau_pos, tau_neg):
+    """-A * (4 / tau) * sigmoid(tau * (r - 1)) at each counted token, in floats."""
+    B, T = lp.shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            if mask[b, t]:
+                a = float(adv[b] if adv.dim() == 1 else adv[b, t])
+                r = math.exp(float(lp[b, t]) - float(old[b, t]))
+                tau = tau_pos if a > 0 else tau_neg
+                out[b, t] = -a * (4 / tau) / (1 + math.exp(-tau * (r - 1)))
+    return out
+
+
+def gmpo_loss_ref(lp, old, adv, mask, clip_low, clip_high):
+    """Mean over rows with a counted token of -mean(A) * exp(mean of sign-clipped log-ratios)."""
+    B, T = lp.shape
+    losses = []
+    for b in range(B):
+        tokens = [t for t in range(T) if mask[b, t]]
+        if not tokens:
+            continue
+        total, a_total = 0.0, 0.0
+        for t in tokens:
+            a = float(adv[b] if adv.dim() == 1 else adv[b, t])
+            x = float(lp[b, t]) - float(old[b, t])
+            total += min(x, clip_high) if a > 0 else (max(x, -clip_low) if a < 0 else 0.0)
+            a_total += a
+        losses.append(-a_total / len(tokens) * math.exp(total / len(tokens)))
+    return sum(losses) / len(losses) if losses else 0.0
+
+
+def covariance_ref(adv, lp, mask):
+    """{(b, t): (A - mean A) * (lp - mean lp)} over the counted tokens, in floats."""
+    B, T = lp.shape
+    cells = [(b, t) for b in range(B) for t in range(T) if mask[b, t]]
+    a = {c: float(adv[c[0]] if adv.dim() == 1 else adv[c]) for c in cells}
+    x = {c: float(lp[c]) for c in cells}
+    mean_a = sum(a.values()) / len(cells) if cells else 0.0
+    mean_x = sum(x.values()) / len(cells) if cells else 0.0
+    return {c: (a[c] - mean_a) * (x[c] - mean_x) for c in cells}
+
+
+def kl_cov_loss_ref(lp, old, adv, mask, select_frac, kl_coef):
+    """Token-mean of -A r + kl_coef |log r| on the k largest-covariance tokens (ties: first)."""
+    cov = covariance_ref(adv, lp, mask)
+    k = max(int(math.floor(select_frac * len(cov))), 1)
+    chosen = set(sorted(cov, key=lambda c: (-cov[c], c))[:k])
+    total = 0.0
+    for (b, t) in cov:
+        a = float(adv[b] if adv.dim() == 1 else adv[b, t])
+        x = float(lp[b, t]) - float(old[b, t])
+        total += -a * math.exp(x) + (kl_coef * abs(x) if (b, t) in chosen else 0.0)
+    return total / len(cov) if cov else 0.0
+
+
+def adaptive_kl_coef_ref(kl_coef, observed_kl, target, horizon, num_steps):
+    error = observed_kl / target - 1
+    error = -0.2 if error < -0.2 else (0.2 if error > 0.2 else error)
+    return kl_coef * (1 + error * num_steps / horizon)

@@ -1,4 +1,5 @@
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,19 +10,33 @@ from tensordict import TensorDict
 from tests.reference import (
     discounted_returns_ref,
     gae_ref,
+    gdpo_advantages_ref,
     group_advantages_ref,
+    opo_advantages_ref,
+    passk_advantages_ref,
+    remax_advantages_ref,
     rloo_advantages_ref,
+    zero_std_groups_ref,
 )
 from torchforge.advantages import (
     discounted_returns,
     gae,
     group_advantages,
     kl_penalized_rewards,
+    opo_advantages,
+    passk_advantages,
     reinforce_pp_advantages,
+    remax_advantages,
     rloo_advantages,
 )
 from torchforge.batch import Batch
-from torchforge.errors import DTypeError, InvalidArgumentError, MissingKeyError, ShapeError
+from torchforge.corrections import zero_std_groups
+from torchforge.errors import (
+    DTypeError,
+    InvalidArgumentError,
+    MissingKeyError,
+    ShapeError,
+)
 from torchforge.kl import approx_kl
 from torchforge.reduce import masked_whiten
 
@@ -129,8 +144,8 @@ def test_group_advantages_bad_inputs():
         group_advantages(torch.zeros(4), group_size=2, scale="std")
     with pytest.raises(InvalidArgumentError, match="group_advantages: group_size must be an int >= 1, got 0"):
         group_advantages(torch.zeros(4), group_size=0)
-    with pytest.raises(ShapeError, match=r"group_advantages: rewards has shape \(2, 2\); expected 1"):
-        group_advantages(torch.zeros(2, 2), group_size=2)
+    with pytest.raises(ShapeError, match=r"group_advantages: rewards has shape \(2, 2, 1\); expected 1 or 2"):
+        group_advantages(torch.zeros(2, 2, 1), group_size=2)
     with pytest.raises(DTypeError, match="group_advantages: rewards has dtype torch.int64"):
         group_advantages(torch.zeros(4, dtype=torch.long), group_size=2)
     with pytest.raises(InvalidArgumentError, match="group_advantages: eps must be >= 0"):
@@ -346,9 +361,9 @@ def test_reinforce_pp_matches_composition():
     centered = seq - seq.view(2, 3).mean(-1).repeat_interleave(3)
     ref = masked_whiten(discounted_returns_ref(centered, mask, 0.9).float(), mask)
     _close(adv, ref)
-    with pytest.raises(ShapeError, match=r"reinforce_pp_advantages: with group_size=3, rewards must be \[B\]"):
+    with pytest.raises(ShapeError, match=r"reinforce_pp_advantages: with groups \(group_size / group_ids\), rewards must be \[B\]"):
         reinforce_pp_advantages(rewards, mask, group_size=3)
-    with pytest.raises(ShapeError, match=r"reinforce_pp_advantages: rewards has shape \(6,\), which does not split"):
+    with pytest.raises(ShapeError, match=r"reinforce_pp_advantages: rewards has shape \(6,\), not a multiple of group_size=4"):
         reinforce_pp_advantages(seq, mask, group_size=4)
 
 
@@ -393,6 +408,8 @@ def _compile_cases(B=8, T=37):
         (kl_penalized_rewards, (seq.nan_to_num(), lp, ref, mask), dict(kl_coef=0.1)),
         (gae, (rewards, values, mask), dict(gamma=0.99, lam=0.95)),
         (gae, (seq.nan_to_num(), values, mask), dict(gamma=1.0, lam=1.0)),
+        (opo_advantages, (seq, mask), dict(group_size=4)),
+        (remax_advantages, (seq, seq.flip(0), mask), {}),
     ]
 
 
@@ -424,3 +441,318 @@ def test_compiles_fullgraph_without_graph_breaks():
 @pytest.mark.slow
 def test_compiles_fullgraph_inductor():
     _check_compiled("inductor")
+
+
+# --- exact ties and offsets (every group estimator) ---------------------------------------
+
+def test_tie_guard_is_exact_equality_not_a_relative_threshold():
+    # 1000.0005 is 1000 + 2**-11 in float32: the groups differ, so the advantages are +-0.86,
+    # those of the same rewards without the offset (a relative tie threshold gave zeros).
+    r = torch.tensor([1000.0, 1000.0005, 1000.0, 1000.0005])
+    adv = group_advantages(r, group_size=4)
+    torch.testing.assert_close(adv, group_advantages(r - 1000, group_size=4), rtol=0, atol=1e-7)
+    torch.testing.assert_close(adv, group_advantages(torch.tensor([0.0, 0.0005, 0.0, 0.0005]), group_size=4),
+                               rtol=0, atol=1e-4)
+    assert adv[1] > 0.86 and adv[0] < -0.86
+    assert not zero_std_groups(r, group_size=4).any()
+    # one float32 ulp apart at 1e4 is not a tie either; exactly equal is
+    ulp = torch.tensor([1e4, 1e4]).nextafter(torch.tensor([2e4, 2e4]))
+    assert (group_advantages(torch.stack([ulp[0], torch.tensor(1e4)]), group_size=2, eps=0.0).abs() > 0.7).all()
+    assert group_advantages(torch.full((4,), 1e4), group_size=2, eps=0.0).eq(0).all()
+
+
+_dyadic = st.integers(-1024, 1024).map(lambda i: i / 64)  # r + c is exact in float32 for |c| <= 1e4
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), groups=st.integers(1, 5), G=st.integers(1, 8), offset=st.integers(-10_000, 10_000),
+       scale=st.sampled_from(["group", "batch", "none"]), nan=st.booleans())
+def test_advantages_unchanged_by_a_constant_up_to_1e4(data, groups, G, offset, scale, nan):
+    values = data.draw(st.lists(_dyadic, min_size=groups * G, max_size=groups * G))
+    r = torch.tensor(values)
+    if nan:
+        r[data.draw(st.integers(0, groups * G - 1))] = NAN
+    shifted = r + offset
+    torch.testing.assert_close(shifted - offset, r, rtol=0, atol=0, equal_nan=True)  # the shift is exact
+    torch.testing.assert_close(group_advantages(shifted, group_size=G, scale=scale),
+                               group_advantages(r, group_size=G, scale=scale), rtol=0, atol=1e-5)
+    torch.testing.assert_close(group_advantages(shifted, group_size=G, scale=scale),
+                               group_advantages_ref(r, G, scale, 1e-6).float(), rtol=0, atol=1e-4)
+    mask = torch.arange(3)[None, :] < torch.arange(groups * G)[:, None] % 4  # lengths 0..3
+    torch.testing.assert_close(opo_advantages(shifted, mask, group_size=G), opo_advantages(r, mask, group_size=G),
+                               rtol=0, atol=1e-6)
+    assert torch.equal(zero_std_groups(shifted, group_size=G), zero_std_groups(r, group_size=G))
+    if G >= 2:
+        torch.testing.assert_close(rloo_advantages(shifted, group_size=G), rloo_advantages(r, group_size=G),
+                                   rtol=0, atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(groups=st.integers(1, 6), G=st.integers(1, 6), seed=st.integers(0, 2**16), offset=st.sampled_from([0.0, 1e4]))
+def test_zero_std_groups_are_exactly_the_zero_advantage_groups(groups, G, seed, offset):
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randint(0, 3, (groups * G,), generator=g).float() / 8 + offset
+    r[torch.rand(groups * G, generator=g) < 0.2] = NAN
+    flags = zero_std_groups(r, group_size=G)
+    assert torch.equal(flags, zero_std_groups_ref(r, G))
+    adv = group_advantages(r, group_size=G, eps=0.0).view(groups, G)
+    per_group = flags.view(groups, G)[:, 0]
+    assert adv[per_group].eq(0).all()
+    assert (adv[~per_group].abs().amax(-1) > 0.1).all()  # a group that is not tied has signal
+
+
+# --- group_ids ------------------------------------------------------------------------------
+
+def _estimators(mask):
+    return {
+        "group": lambda r, **kw: group_advantages(r, **kw),
+        "batch": lambda r, **kw: group_advantages(r, scale="batch", **kw),
+        "none": lambda r, **kw: group_advantages(r, scale="none", **kw),
+        "rloo": lambda r, **kw: rloo_advantages(r, **kw),
+        "passk": lambda r, **kw: passk_advantages(r.clamp(0, 1).round(), k=2, **kw),
+        "opo": lambda r, **kw: opo_advantages(r, mask, **kw),
+        "zero_std": lambda r, **kw: zero_std_groups(r, **kw),
+    }
+
+
+@settings(max_examples=30, deadline=None)
+@given(groups=st.integers(1, 6), G=st.integers(2, 6), seed=st.integers(0, 2**16), far_ids=st.booleans())
+def test_group_ids_on_a_permuted_batch_equal_contiguous_groups(groups, G, seed, far_ids):
+    g = torch.Generator().manual_seed(seed)
+    B = groups * G
+    r = torch.randint(0, 4, (B,), generator=g).float() / 3
+    r[torch.rand(B, generator=g) < 0.15] = NAN
+    mask = torch.rand(B, 5, generator=g) < 0.7
+    ids = torch.arange(groups).repeat_interleave(G)
+    if far_ids:  # ids outside [0, B): the torch.unique path
+        ids = ids * 1000 - 7
+    perm = torch.randperm(B, generator=g)
+    contiguous, permuted = _estimators(mask), _estimators(mask[perm])
+    for name in contiguous:
+        r_in = r if name != "passk" else r.nan_to_num(0.0)
+        expected = contiguous[name](r_in, group_size=G)[perm]
+        got = permuted[name](r_in[perm], group_ids=ids[perm])
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6, msg=name)
+    expected = reinforce_pp_advantages(r.nan_to_num(0.0), mask, group_size=G)[perm]
+    got = reinforce_pp_advantages(r.nan_to_num(0.0)[perm], mask[perm], group_ids=ids[perm])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(1, 7), min_size=1, max_size=6), seed=st.integers(0, 2**16),
+       scale=st.sampled_from(["group", "none"]))
+def test_group_ids_with_groups_of_unequal_size_match_each_group_alone(sizes, seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randint(0, 5, (sum(sizes),), generator=g).float()
+    ids = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    adv = group_advantages(r, group_ids=ids, scale=scale)
+    rloo = rloo_advantages(r, group_ids=ids)
+    for start, size in zip([0, *torch.tensor(sizes).cumsum(0).tolist()], sizes):
+        piece = r[start:start + size]
+        _close(adv[start:start + size], group_advantages_ref(piece, size, scale, 1e-6))
+        if size >= 2:
+            _close(rloo[start:start + size], rloo_advantages_ref(piece, size))
+
+
+def test_group_ids_and_group_size_bad_inputs():
+    r = torch.zeros(4)
+    for fn in (group_advantages, rloo_advantages, zero_std_groups):
+        name = fn.__name__
+        with pytest.raises(InvalidArgumentError, match=f"{name}: pass exactly one of group_size .* and group_ids"):
+            fn(r)
+        with pytest.raises(InvalidArgumentError, match=f"{name}: pass exactly one of group_size"):
+            fn(r, group_size=2, group_ids=torch.zeros(4, dtype=torch.long))
+        with pytest.raises(DTypeError, match=f"{name}: group_ids has dtype torch.float32; expected an integer"):
+            fn(r, group_ids=torch.zeros(4))
+        with pytest.raises(ShapeError, match=rf"{name}: group_ids has shape \(3,\) but rewards has shape \(4,\)"):
+            fn(r, group_ids=torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ShapeError, match=r"reinforce_pp_advantages: group_ids has shape \(2, 2\)"):
+        reinforce_pp_advantages(r, torch.ones(4, 2, dtype=torch.bool), group_ids=torch.zeros(2, 2, dtype=torch.long))
+
+
+# --- GDPO: [B, K] rewards with reward_weights ---------------------------------------------
+
+def test_gdpo_hand_derived():
+    # groups of 2, K = 2, weights (1, 0.5), eps = 0:
+    # group 1: reward 0 (1, 0) -> +-1/sqrt(2); reward 1 (0, 0) tied -> 0
+    # group 2: reward 0 (2, 2) tied -> 0;       reward 1 (5, 3) -> +-1/sqrt(2)
+    # s = (1/sqrt2, -1/sqrt2, 0.5/sqrt2, -0.5/sqrt2); batch std = sqrt(1.25 / 3) = sqrt(5/12)
+    # A = s / std: (sqrt(1.2), -sqrt(1.2), sqrt(1.2) / 2, -sqrt(1.2) / 2)
+    r = torch.tensor([[1.0, 0.0], [0.0, 0.0], [2.0, 5.0], [2.0, 3.0]])
+    adv = group_advantages(r, group_size=2, reward_weights=[1.0, 0.5], eps=0.0)
+    a = math.sqrt(1.2)
+    torch.testing.assert_close(adv, torch.tensor([a, -a, a / 2, -a / 2]), rtol=1e-6, atol=1e-7)
+    # one column with weight 1 is GRPO followed by a batch whitening
+    one = group_advantages(r[:, :1], group_size=2, eps=0.0)
+    single = group_advantages(r[:, 0], group_size=2, eps=0.0)
+    torch.testing.assert_close(one, single / single.std(), rtol=1e-6, atol=1e-7)
+    # every group tied in every reward: exactly 0 (TRL leaves a ~1e-7 residue from the batch mean)
+    assert group_advantages(torch.ones(4, 3) * 0.1, group_size=2, reward_weights=[1.0, 2.0, 3.0]).eq(0).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(groups=st.integers(1, 5), G=st.integers(2, 6), K=st.integers(1, 4), seed=st.integers(0, 2**16),
+       nan=st.booleans())
+def test_gdpo_matches_reference_and_is_order_free(groups, G, K, seed, nan):
+    g = torch.Generator().manual_seed(seed)
+    B = groups * G
+    r = torch.randint(0, 4, (B, K), generator=g).float()
+    if nan:
+        r[torch.rand(B, K, generator=g) < 0.2] = NAN
+    w = torch.rand(K, generator=g) * 2 - 0.5
+    adv = group_advantages(r, group_size=G, reward_weights=w, eps=1e-4)
+    _close(adv, gdpo_advantages_ref(r, G, w, 1e-4), rel=1e-5)
+    perm = torch.randperm(B, generator=g)
+    ids = torch.arange(groups).repeat_interleave(G)
+    torch.testing.assert_close(group_advantages(r[perm], group_ids=ids[perm], reward_weights=w, eps=1e-4),
+                               adv[perm], rtol=0, atol=1e-5)
+
+
+def test_gdpo_bad_inputs():
+    with pytest.raises(ShapeError, match=r"group_advantages: reward_weights has shape \(3,\) but rewards has shape \(4, 2\); expected \(2,\)"):
+        group_advantages(torch.zeros(4, 2), group_size=2, reward_weights=[1.0, 1.0, 1.0])
+    with pytest.raises(ShapeError, match=r"group_advantages: reward_weights is given but rewards has shape \(4,\)"):
+        group_advantages(torch.zeros(4), group_size=2, reward_weights=[1.0])
+    with pytest.raises(InvalidArgumentError, match="group_advantages: reward_weights must be finite"):
+        group_advantages(torch.zeros(4, 2), group_size=2, reward_weights=[1.0, float("inf")])
+
+
+# --- passk_advantages -------------------------------------------------------------------------
+
+def test_passk_hand_derived():
+    # n = 4, c = 1, k = 2: rho = 1 - C(3,2)/C(4,2) = 1/2, sigma = 1/2,
+    # A_pos = (1/2) / (1/2) = 1, A_neg = (1/2 - C(2,1)/C(3,1)) / (1/2) = -1/3
+    adv = passk_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), k=2, group_size=4, eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))
+    # k = 1 is GRPO with the biased std: rho = 1/4, sigma = sqrt(3)/4: A_pos = sqrt(3), A_neg = -1/sqrt(3)
+    adv = passk_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), k=1, group_size=4, eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3)]))
+    # c = 3 of n = 4 with k = 2: every pair passes: rho = 1, sigma = 0 -> 0; all-wrong groups -> 0
+    zero = passk_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]), k=2, group_size=4)
+    assert zero.eq(0).all()
+    # scale="none": the same numerators; a NaN reward is left out of n (here n = 3, c = 1, k = 2:
+    # rho = 1 - C(2,2)/C(3,2) = 2/3, A_pos = 1/3, A_neg = 1/3 - C(1,1)/C(2,1) = -1/6)
+    adv = passk_advantages(torch.tensor([1.0, NAN, 0.0, 0.0]), k=2, group_size=4, scale="none")
+    torch.testing.assert_close(adv, torch.tensor([1 / 3, 0.0, -1 / 6, -1 / 6]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(groups=st.integers(1, 5), G=st.integers(1, 8), data=st.data(), seed=st.integers(0, 2**16),
+       scale=st.sampled_from(["group", "none"]), nan=st.booleans())
+def test_passk_matches_reference(groups, G, data, seed, scale, nan):
+    k = data.draw(st.integers(1, G))
+    g = torch.Generator().manual_seed(seed)
+    r = (torch.rand(groups * G, generator=g) < 0.4).float()
+    if nan:
+        r[torch.rand(groups * G, generator=g) < 0.2] = NAN
+    adv = passk_advantages(r, k=k, group_size=G, scale=scale)
+    _close(adv, passk_advantages_ref(r, G, k, scale, 1e-6), rel=1e-5)
+    if k == 1 and scale == "none":  # Pass@1: the group mean baseline
+        _close(adv, group_advantages_ref(r, G, "none", 0.0), rel=1e-6)
+
+
+def test_passk_bad_inputs():
+    with pytest.raises(InvalidArgumentError, match=r"passk_advantages: rewards must be 0 or 1 \(or NaN\), got values such as \[0.5\]"):
+        passk_advantages(torch.tensor([1.0, 0.5]), k=1, group_size=2)
+    with pytest.raises(InvalidArgumentError, match="passk_advantages: k must be an int >= 1 and <= group_size=2, got 3"):
+        passk_advantages(torch.tensor([1.0, 0.0]), k=3, group_size=2)
+    with pytest.raises(InvalidArgumentError, match="passk_advantages: k must be an int >= 1, got 0"):
+        passk_advantages(torch.tensor([1.0, 0.0]), k=0, group_ids=torch.tensor([0, 0]))
+    with pytest.raises(InvalidArgumentError, match="passk_advantages: scale is 'batch'"):
+        passk_advantages(torch.tensor([1.0, 0.0]), k=1, group_size=2, scale="batch")
+    with pytest.raises(ShapeError, match=r"passk_advantages: rewards has shape \(2, 1\); expected 1"):
+        passk_advantages(torch.ones(2, 1), k=1, group_size=2)
+
+
+# --- opo_advantages ---------------------------------------------------------------------------
+
+def test_opo_hand_derived():
+    # lengths (3, 1), rewards (1, 0): b = (3 * 1 + 1 * 0) / 4 = 0.75 -> A = (0.25, -0.75);
+    # second group: lengths (2, 2) -> the plain mean 0.5; third: NaN left out, one reward -> 0
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 1, 1], [1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, NAN, 2.0])
+    torch.testing.assert_close(opo_advantages(r, mask, group_size=2), torch.tensor([0.25, -0.75, -0.5, 0.5, 0.0, 0.0]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(groups=st.integers(1, 5), G=st.integers(1, 6), T=st.integers(0, 6), seed=st.integers(0, 2**16))
+def test_opo_matches_reference(groups, G, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    B = groups * G
+    r = torch.randint(0, 4, (B,), generator=g).float()
+    r[torch.rand(B, generator=g) < 0.15] = NAN
+    mask = torch.rand(B, T, generator=g) < 0.6
+    _close(opo_advantages(r, mask, group_size=G), opo_advantages_ref(r, mask.sum(-1), G))
+    # equal lengths: the plain group mean (Dr. GRPO's advantage)
+    full = torch.ones(B, 4, dtype=torch.bool)
+    _close(opo_advantages(r, full, group_size=G), group_advantages_ref(r, G, "none", 0.0))
+
+
+def test_opo_bad_inputs():
+    with pytest.raises(ShapeError, match=r"opo_advantages: rewards has shape \(4,\) but mask has shape \(3, 2\)"):
+        opo_advantages(torch.zeros(4), torch.ones(3, 2, dtype=torch.bool), group_size=2)
+    with pytest.raises(DTypeError, match="opo_advantages: mask has dtype torch.int64"):
+        opo_advantages(torch.zeros(4), torch.ones(4, 2, dtype=torch.long), group_size=2)
+
+
+# --- remax_advantages -------------------------------------------------------------------------
+
+def test_remax_hand_derived_and_reference():
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    out = remax_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0.25, 0.5]), mask)
+    torch.testing.assert_close(out, torch.tensor([[0.75, 0.75, 0.0], [-0.5, -0.5, -0.5]]))
+    rewards, _, mask = _random_tokens(5, 9, seed=3)
+    base = torch.randn(5)
+    base[2] = NAN
+    _close(remax_advantages(rewards, base, mask), remax_advantages_ref(rewards, base, mask))
+    seq = torch.randn(5)
+    seq[0] = NAN
+    out = remax_advantages(seq, base, mask)
+    _close(out, remax_advantages_ref(seq, base, mask))
+    assert out[0].eq(0).all() and out[2].eq(0).all()
+    batch = Batch(rewards=seq, mask=mask, batch_size=[5])
+    torch.testing.assert_close(remax_advantages(batch, baseline_rewards=base), out)
+
+
+def test_remax_bad_inputs():
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ShapeError, match=r"remax_advantages: baseline_rewards has shape \(3,\) but mask has shape \(2, 3\); expected \(2,\)"):
+        remax_advantages(torch.zeros(2), torch.zeros(3), mask)
+    with pytest.raises(ShapeError, match=r"remax_advantages: rewards has shape \(3,\) but mask has shape \(2, 3\)"):
+        remax_advantages(torch.zeros(3), torch.zeros(2), mask)
+    with pytest.raises(DTypeError, match="remax_advantages: baseline_rewards has dtype torch.int64"):
+        remax_advantages(torch.zeros(2), torch.zeros(2, dtype=torch.long), mask)
+
+
+# --- the property kit over the new estimators --------------------------------------------------
+
+def test_check_advantage_estimator_over_the_new_estimators():
+    from torchforge.testing import check_advantage_estimator
+
+    def opo_equal_lengths(rewards, *, group_size):
+        return opo_advantages(rewards, torch.ones(rewards.shape[0], 3, dtype=torch.bool), group_size=group_size)
+
+    def grpo_by_ids(rewards, *, group_size):
+        ids = torch.arange(rewards.shape[0] // group_size).repeat_interleave(group_size)
+        return group_advantages(rewards, group_ids=ids)
+
+    check_advantage_estimator(opo_equal_lengths, max_examples=20)
+    check_advantage_estimator(grpo_by_ids, max_examples=20)
+
+
+# --- batch statistics over ranks ----------------------------------------------------------------
+
+def test_batch_scaled_advantages_on_two_processes_equal_one(tmp_path):
+    from tests import _adv_dist_worker as W
+    from torchforge.distributed import launch
+
+    rc = launch(2, [str(Path(W.__file__)), str(tmp_path)], module=None)
+    assert rc == 0, "distributed workers failed (their output is above)"
+    shards = [torch.load(tmp_path / f"advantages_rank{r}.pt") for r in range(2)]
+    one = W.advantages(W.global_inputs())
+    for key, expected in one.items():
+        got = torch.cat([s[key] for s in shards])
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=key)
+    # without the sums over ranks each shard would use its own std: the test can fail
+    half = W.advantages({k: v[: v.shape[0] // 2] for k, v in W.global_inputs().items()})
+    assert not torch.allclose(half["batch"], one["batch"][: one["batch"].shape[0] // 2], atol=1e-3)

@@ -18,11 +18,14 @@ Conventions shared by every function here:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 
 import torch
 
 from torchforge.batch import batch_args
 from torchforge.errors import (
+    DTypeError,
     InvalidArgumentError,
     ShapeError,
     check_choice,
@@ -34,41 +37,27 @@ from torchforge.errors import (
     shape_str,
 )
 from torchforge.kl import approx_kl
-from torchforge.reduce import masked_whiten
+from torchforge.reduce import masked_var, masked_whiten
 
 __all__ = [
-    "group_advantages",
-    "rloo_advantages",
-    "discounted_returns",
-    "reinforce_pp_advantages",
-    "kl_penalized_rewards",
-    "gae",
     "GROUP_SCALES",
+    "discounted_returns",
+    "gae",
+    "group_advantages",
+    "kl_penalized_rewards",
+    "opo_advantages",
+    "passk_advantages",
+    "reinforce_pp_advantages",
+    "remax_advantages",
+    "rloo_advantages",
 ]
 
 GROUP_SCALES = ("group", "batch", "none")
 
-# A group whose rewards' spread (root-mean-square of r - mean) is at most G * _TIE_RTOL of
-# their root-mean-square counts as all equal (a 4x margin over the float32 rounding error of
-# the mean of G equal numbers, G * 2**-24): its advantage is exactly 0.
-_TIE_RTOL = 2.0**-22
 _TINY = torch.finfo(torch.float32).tiny
 
 
 # --- input checks ------------------------------------------------------------------------
-
-def _check_group(fn: str, rewards: torch.Tensor, group_size, *, min_size: int = 1) -> None:
-    check_tensor(fn, "rewards", rewards, ndim=1)
-    check_float(fn, "rewards", rewards)
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < min_size:
-        raise InvalidArgumentError(f"{fn}: group_size must be an int >= {min_size}, got {group_size!r}")
-    if rewards.shape[0] % group_size != 0:
-        raise ShapeError(
-            f"{fn}: rewards has shape {shape_str(rewards)}, which does not split into groups of "
-            f"group_size={group_size}; expected B a multiple of {group_size} (B = prompts x G, "
-            "each prompt's G samples contiguous)"
-        )
-
 
 def _check_gamma(fn: str, name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0):
@@ -83,7 +72,7 @@ def _raise_rewards_shape(fn: str, rewards: torch.Tensor, mask: torch.Tensor):
 
 
 def _token_rewards(fn: str, rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] float32 token rewards, 0 where ``mask`` is False.
+    """[B, T] float32 token rewards, 0 where ``mask`` is False (the one place rewards are placed).
 
     [B, T] rewards are read at counted positions; [B] rewards go on the last counted token.
     """
@@ -92,67 +81,193 @@ def _token_rewards(fn: str, rewards: torch.Tensor, mask: torch.Tensor) -> torch.
     if rewards.dim() == 2:
         if rewards.shape != mask.shape:
             _raise_rewards_shape(fn, rewards, mask)
-        return rewards.float().masked_fill(~mask, 0.0)
+        return torch.where(mask, rewards.float(), 0.0)
     if rewards.shape[0] != mask.shape[0]:
         _raise_rewards_shape(fn, rewards, mask)
     count = mask.cumsum(-1)
     last = mask & (count == count[:, -1:])
-    return rewards.float().unsqueeze(-1).masked_fill(~last, 0.0)
+    return torch.where(last, rewards.float().unsqueeze(-1), 0.0)
 
 
-# --- group statistics ---------------------------------------------------------------------
+# --- groups ------------------------------------------------------------------------------
 
-def _group_stats(rewards: torch.Tensor, group_size: int):
-    """Per-group statistics over the finite rewards, as [B / G, G] and [B / G, 1] tensors.
+class _Groups:
+    """How the B rows of a batch fall into groups: contiguous blocks of ``size`` rows, or by
+    ``index`` ([B] int64 in [0, count)). ``sum`` / ``amin`` / ``amax`` reduce [B, ...] to
+    [count, ...] per group; ``expand`` broadcasts [count, ...] back to [B, ...]."""
 
-    Returns ``(r0, valid, n, centered, kept, spread)``: rewards with non-finite entries set
-    to 0, 1.0 where the reward is finite, the count of finite rewards, ``r - mean`` (0 where
-    not finite), 1.0 for groups that are not tied (0.0 where all valid rewards are equal)
-    and ``sum((r - mean)^2)`` per group.
+    def __init__(self, size: int | None, index: torch.Tensor | None, count: int):
+        self.size, self.index, self.count = size, index, count
 
-    Written without bool tensors (float 0/1 weights, sums as matmuls with a ones vector):
-    on CPU this is several times faster than masked_fill / where for [B / G, G] shapes.
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(self.count, self.size, *x.shape[1:])
+
+    def _index_like(self, x: torch.Tensor) -> torch.Tensor:
+        return self.index.view(-1, *([1] * (x.dim() - 1))).expand_as(x)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.index is None:
+            return self._rows(x).sum(1)
+        return x.new_zeros(self.count, *x.shape[1:]).index_add_(0, self.index, x)
+
+    def _extreme(self, x: torch.Tensor, reduce: str, start: float) -> torch.Tensor:
+        if self.index is None:
+            return self._rows(x).amin(1) if reduce == "amin" else self._rows(x).amax(1)
+        out = x.new_full((self.count, *x.shape[1:]), start)
+        return out.scatter_reduce_(0, self._index_like(x), x, reduce)
+
+    def amin(self, x: torch.Tensor) -> torch.Tensor:
+        return self._extreme(x, "amin", math.inf)
+
+    def amax(self, x: torch.Tensor) -> torch.Tensor:
+        return self._extreme(x, "amax", -math.inf)
+
+    def expand(self, s: torch.Tensor) -> torch.Tensor:
+        if self.index is None:
+            return s.unsqueeze(1).expand(self.count, self.size, *s.shape[1:]).reshape(-1, *s.shape[1:])
+        return s[self.index]
+
+
+def _groups(fn: str, rewards: torch.Tensor, group_size, group_ids, *, min_size: int = 1) -> _Groups:
+    """Check ``rewards`` ([B] or [B, K] float) and exactly one of ``group_size`` / ``group_ids``."""
+    check_tensor(fn, "rewards", rewards, ndim=(1, 2))
+    check_float(fn, "rewards", rewards)
+    B = rewards.shape[0]
+    if (group_size is None) == (group_ids is None):
+        raise InvalidArgumentError(
+            f"{fn}: pass exactly one of group_size (contiguous groups of G rows) and group_ids "
+            f"([B] group id of each row), got group_size={group_size!r} and "
+            f"group_ids={'None' if group_ids is None else 'a tensor'}"
+        )
+    if group_ids is None:
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < min_size:
+            raise InvalidArgumentError(f"{fn}: group_size must be an int >= {min_size}, got {group_size!r}")
+        if B % group_size != 0:
+            raise ShapeError(
+                f"{fn}: rewards has shape {shape_str(rewards)}, not a multiple of group_size={group_size}; "
+                "expected B = prompts x G with each prompt's G samples contiguous (or pass group_ids)"
+            )
+        return _Groups(group_size, None, B // group_size)
+    check_tensor(fn, "group_ids", group_ids, ndim=1)
+    if group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool:
+        raise DTypeError(f"{fn}: group_ids has dtype {group_ids.dtype}; expected an integer tensor")
+    if group_ids.shape[0] != B:
+        raise ShapeError(
+            f"{fn}: group_ids has shape {shape_str(group_ids)} but rewards has shape {shape_str(rewards)}; "
+            f"expected ({B},)"
+        )
+    ids = group_ids.to(device=rewards.device, dtype=torch.int64)
+    if B == 0:
+        return _Groups(None, ids, 0)
+    low, high = ids.aminmax()
+    if low >= 0 and high < B:  # ids already index a [B] table: no sort needed
+        return _Groups(None, ids, int(high) + 1)
+    unique, index = torch.unique(ids, return_inverse=True)
+    return _Groups(None, index, unique.numel())
+
+
+def _deviations(groups: _Groups, rewards: torch.Tensor):
+    """``(d, valid, tied)``: the rewards minus their group's smallest finite reward.
+
+    ``d`` [B(, K)] float32 is ``r - min_g r`` at finite rewards and 0 elsewhere, formed in the
+    input's precision (float64 stays float64) before the cast, so that a constant added to
+    every reward cancels exactly; ``valid`` is ``isfinite(r)``; ``tied`` [G_count(, K)] bool
+    is True where the group's finite rewards are all equal (or fewer than two), i.e.
+    ``max_g r == min_g r`` exactly.
     """
-    r = rewards.float().view(-1, group_size)
-    r0 = torch.nan_to_num(r, nan=0.0, posinf=0.0, neginf=0.0)
-    valid = torch.nan_to_num(r * 0.0 + 1.0, nan=0.0)  # 1 where finite (inf * 0 is NaN too)
-    ones = r.new_ones(group_size, 1)
-    n = valid @ ones
-    centered = (r0 - (r0 @ ones) / n.clamp(min=1)) * valid
-    # Tie: the spread is below the float32 rounding of the mean (|error| <= G * 2**-24 * |r|):
-    # sum((r - mean)^2) <= (G * 2**-22)^2 * sum(r^2), which also holds for 0 or 1 valid rewards.
-    spread = centered.square() @ ones
-    size = (r0.square() @ ones) * (group_size * _TIE_RTOL) ** 2
-    kept = (spread > size).to(r0.dtype)
-    return r0, valid, n, centered, kept, spread
+    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    valid = torch.isfinite(r)
+    low = groups.amin(torch.where(valid, r, math.inf))
+    high = groups.amax(torch.where(valid, r, -math.inf))
+    tied = ~(high > low)
+    d = torch.where(valid, r - groups.expand(torch.where(tied, 0.0, low)), 0.0).float()
+    return d, valid, tied
+
+
+def _centered(groups: _Groups, rewards: torch.Tensor):
+    """``(centered, valid, n, kept)``: ``r - mean_g`` over the finite rewards (0 at the others
+    and in tied groups), the [B(, K)] finite flags, the [G_count(, K)] float32 count of finite
+    rewards and the [G_count(, K)] float32 1.0 / 0.0 for groups that are not / are tied."""
+    d, valid, tied = _deviations(groups, rewards)
+    n = groups.sum(valid.float())
+    kept = (~tied).float()
+    mean = groups.sum(d) / n.clamp(min=1)
+    centered = torch.where(valid, d - groups.expand(mean), 0.0) * groups.expand(kept)
+    return centered, valid, n, kept
+
+
+def _batch_std(values: torch.Tensor, mask: torch.Tensor, sum_over_ranks) -> torch.Tensor:
+    """Unbiased std of ``values`` over ``mask`` (over every rank through ``sum_over_ranks``);
+    [K] stds of the K columns of [B, K] values."""
+    if values.dim() == 1:
+        return masked_var(values, mask, sum_over_ranks=sum_over_ranks).sqrt()
+    return torch.stack([_batch_std(v, m, sum_over_ranks) for v, m in zip(values.unbind(1), mask.unbind(1))])
+
+
+def _scale_factor(std: torch.Tensor, kept: torch.Tensor, eps: float) -> torch.Tensor:
+    """``kept / (std + eps)``: exactly 0 for tied groups, even with ``eps=0``."""
+    return kept / (std + eps).clamp(min=_TINY)
+
+
+def _check_weights(fn: str, reward_weights, rewards: torch.Tensor) -> torch.Tensor:
+    K = rewards.shape[1]
+    if reward_weights is None:
+        return rewards.new_ones(K, dtype=torch.float32)
+    w = torch.as_tensor(reward_weights, dtype=torch.float32, device=rewards.device)
+    if w.shape != (K,):
+        raise ShapeError(
+            f"{fn}: reward_weights has shape {tuple(w.shape)} but rewards has shape {shape_str(rewards)}; "
+            f"expected ({K},), one weight per reward"
+        )
+    if not torch.isfinite(w).all():
+        raise InvalidArgumentError(f"{fn}: reward_weights must be finite, got {w.tolist()}")
+    return w
 
 
 @batch_args
 def group_advantages(
-    rewards: torch.Tensor, *, group_size: int, scale: str = "group", eps: float = 1e-6
+    rewards: torch.Tensor,
+    *,
+    group_size: int | None = None,
+    group_ids: torch.Tensor | None = None,
+    scale: str = "group",
+    eps: float = 1e-6,
+    reward_weights=None,
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Group-relative advantages of GRPO: each reward minus its group's mean, optionally scaled.
 
-    With ``r`` the rewards viewed as [B / G, G] groups (the G samples of one prompt are
-    contiguous), ``mean_g`` and ``std_g`` the mean and unbiased standard deviation of the
-    finite rewards of group g, and ``std_batch`` the unbiased standard deviation of all
-    finite rewards of the batch:
+    With ``r`` the rewards in groups g (the G samples of one prompt: contiguous blocks of
+    ``group_size`` rows, or the rows sharing a ``group_ids`` value), ``mean_g`` and ``std_g``
+    the mean and unbiased standard deviation of the finite rewards of group g, and
+    ``std_batch`` the unbiased standard deviation of all finite rewards of the batch:
 
     - ``scale="group"``: ``A = (r - mean_g) / (std_g + eps)`` (GRPO);
     - ``scale="batch"``: ``A = (r - mean_g) / (std_batch + eps)`` (TRL's
       ``scale_rewards="batch"``, Lite PPO's group mean + batch std);
     - ``scale="none"``:  ``A = r - mean_g`` (Dr. GRPO).
 
+    Several rewards (GDPO): with [B, K] rewards ``r_k`` and ``reward_weights`` ``w``, each
+    reward is normalized in its group as above, ``A_k``, then
+    ``s = sum_k w_k * A_k`` and ``A = s / (std_batch(s) + eps)``. The batch mean of ``s`` is
+    0 by construction (each ``A_k`` sums to 0 over its group), so it is not subtracted.
+
     A NaN reward ("not applicable"; also +-inf) is left out of every statistic and gets
-    ``A = 0``. A group whose valid rewards are all equal gets ``A = 0`` exactly, whatever
-    ``scale`` and ``eps``: "equal" up to float32 rounding, i.e. the root-mean-square of
-    ``r - mean_g`` is at most ``G * 2**-22`` times that of ``r``.
+    ``A = 0`` (``A_k = 0`` for one column of [B, K] rewards). A group whose finite rewards
+    are all exactly equal gets ``A = 0`` exactly, whatever ``scale`` and ``eps``; "equal"
+    means equal, so adding a constant to every reward leaves the advantages unchanged.
 
     Args:
-        rewards: [B] float sequence rewards, B = prompts x G, NaN = no reward.
-        group_size: G, the number of samples per prompt (>= 1).
-        scale: one of ``"group"``, ``"batch"``, ``"none"``.
+        rewards: [B] float sequence rewards, or [B, K] for K rewards per sample; NaN = no reward.
+        group_size: G, the number of contiguous samples per prompt (>= 1).
+        group_ids: [B] integer id of each row's group (groups of any size, rows in any
+            order, as verl's ``index``), instead of ``group_size``.
+        scale: one of ``"group"``, ``"batch"``, ``"none"`` (per reward for [B, K]).
         eps: added to the standard deviation before dividing (>= 0).
+        reward_weights: [K] weights of [B, K] rewards (default: all 1); [B, K] only.
+        sum_over_ranks: sums a tensor over data-parallel ranks (e.g.
+            ``torchforge.distributed.sum_over_ranks``), so that ``std_batch`` is the std of
+            the global batch; None: this process's batch.
 
     Returns:
         [B] float32 advantages.
@@ -163,7 +278,15 @@ def group_advantages(
         0. ``eps`` is added to the std, not the variance, as TRL (1e-4) and verl (1e-6) do.
         Where other libraries divide a float residue of ~1e-9 by ``std + eps`` and give
         advantages of up to 1e3 for a group of equal rewards (e.g. ``[0.1] * G``), the tie
-        guard here returns exact zeros.
+        test here (``max_g == min_g``) returns exact zeros, and the deviations are formed
+        from the group's minimum first, so that an offset of 1e4 does not swamp rewards
+        that differ by 1e-4. For [B, K] rewards this is TRL's
+        ``multi_objective_aggregation="normalize_then_sum"`` (group std + eps, weighted
+        ``nansum``, batch std + eps), except that TRL also subtracts the batch mean of ``s``
+        (0 up to rounding), which leaves a residue of ~1e-7 on all-tied groups.
+        ``group_ids`` in [0, B) index a table directly; other ids are first made dense
+        with ``torch.unique`` (a sort). With ``group_ids`` the function synchronizes with
+        the device once and does not compile with ``fullgraph=True``.
 
     Example:
         >>> import torch
@@ -171,31 +294,45 @@ def group_advantages(
         tensor([ 0.7071, -0.7071,  0.0000,  0.0000])
         >>> group_advantages(torch.tensor([1., 0., float("nan"), 2.]), group_size=2, scale="none")
         tensor([ 0.5000, -0.5000,  0.0000,  0.0000])
+        >>> group_advantages(torch.tensor([2., 1., 0.]), group_ids=torch.tensor([0, 1, 0]), scale="none")
+        tensor([ 1.,  0., -1.])
 
     References:
         GRPO (DeepSeekMath), https://arxiv.org/abs/2402.03300; Dr. GRPO,
-        https://arxiv.org/abs/2503.20783; Lite PPO, https://arxiv.org/abs/2508.08221
+        https://arxiv.org/abs/2503.20783; Lite PPO, https://arxiv.org/abs/2508.08221;
+        GDPO, https://arxiv.org/abs/2601.05242
     """
     fn = "group_advantages"
-    _check_group(fn, rewards, group_size)
+    groups = _groups(fn, rewards, group_size, group_ids)
     check_choice(fn, "scale", scale, GROUP_SCALES)
     check_non_negative(fn, "eps", eps)
-    r0, valid, n, centered, kept, spread = _group_stats(rewards, group_size)
+    if rewards.dim() == 1 and reward_weights is not None:
+        raise ShapeError(
+            f"{fn}: reward_weights is given but rewards has shape {shape_str(rewards)}; "
+            "expected [B, K] rewards (one column per reward) with K weights"
+        )
+    weights = _check_weights(fn, reward_weights, rewards) if rewards.dim() == 2 else None
+    centered, valid, n, kept = _centered(groups, rewards)
     if scale == "group":
-        var = spread / (n - 1).clamp(min=1)
-        factor = kept / (var.sqrt() + eps).clamp(min=_TINY)  # tied: 0, even with eps=0
+        std_g = (groups.sum(centered.square()) / (n - 1).clamp(min=1)).sqrt()
+        factor = _scale_factor(std_g, kept, eps)
     elif scale == "batch":
-        n_all = n.sum()
-        mean_all = r0.sum() / n_all.clamp(min=1)
-        var_all = ((r0 - mean_all) * valid).square().sum() / (n_all - 1).clamp(min=1)
-        factor = kept / (var_all.sqrt() + eps).clamp(min=_TINY)
+        std_batch = _batch_std(rewards, valid, sum_over_ranks)
+        factor = _scale_factor(std_batch, kept, eps)
     else:
         factor = kept
-    return (centered * factor).add_(0.0).view(-1)  # add 0: -0.0 -> 0.0
+    advantages = centered * groups.expand(factor)
+    if weights is not None:  # GDPO: weighted sum of the normalized rewards, whitened over the batch
+        s = advantages @ weights
+        factor = _scale_factor(_batch_std(s, valid.any(-1), sum_over_ranks), torch.ones(()), eps)
+        advantages = s * factor
+    return advantages + 0.0  # -0.0 -> 0.0
 
 
 @batch_args
-def rloo_advantages(rewards: torch.Tensor, *, group_size: int) -> torch.Tensor:
+def rloo_advantages(
+    rewards: torch.Tensor, *, group_size: int | None = None, group_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Leave-one-out advantages of RLOO: each reward minus the mean of the rest of its group.
 
     ``A_i = r_i - (sum_j r_j - r_i) / (n - 1)`` over the n finite rewards of i's group,
@@ -205,8 +342,10 @@ def rloo_advantages(rewards: torch.Tensor, *, group_size: int) -> torch.Tensor:
     fewer than two valid rewards (no baseline) or whose valid rewards are all equal gets 0.
 
     Args:
-        rewards: [B] float sequence rewards, B = prompts x G, NaN = no reward.
+        rewards: [B] float sequence rewards; NaN = no reward.
         group_size: G >= 2 samples per prompt, contiguous.
+        group_ids: [B] integer group id of each row (any order, any sizes), instead of
+            ``group_size``.
 
     Returns:
         [B] float32 advantages.
@@ -227,10 +366,159 @@ def rloo_advantages(rewards: torch.Tensor, *, group_size: int) -> torch.Tensor:
         https://arxiv.org/abs/2402.14740
     """
     fn = "rloo_advantages"
-    _check_group(fn, rewards, group_size, min_size=2)
-    _, _, n, centered, kept, _ = _group_stats(rewards, group_size)
+    check_tensor(fn, "rewards", rewards, ndim=1)
+    groups = _groups(fn, rewards, group_size, group_ids, min_size=2)
+    centered, _, n, kept = _centered(groups, rewards)
     # r_i - (sum_j r_j - r_i) / (n - 1) == n / (n - 1) * (r_i - mean); n < 2 is always tied
-    return (centered * (kept * n / (n - 1).clamp(min=1))).add_(0.0).view(-1)
+    return centered * groups.expand(kept * n / (n - 1).clamp(min=1)) + 0.0
+
+
+def _binomial_ratio(top: torch.Tensor, bottom: torch.Tensor, k: int) -> torch.Tensor:
+    """``C(top, k) / C(bottom, k)`` for integer-valued float64 ``top <= bottom`` and ``k <= bottom``,
+    as ``prod_{j < k} (top - j) / (bottom - j)`` (0 once ``top - j`` reaches 0)."""
+    j = torch.arange(k, dtype=top.dtype, device=top.device)
+    return ((top.unsqueeze(-1) - j).clamp(min=0) / (bottom.unsqueeze(-1) - j).clamp(min=1)).prod(-1)
+
+
+@batch_args
+def passk_advantages(
+    rewards: torch.Tensor,
+    *,
+    k: int,
+    group_size: int | None = None,
+    group_ids: torch.Tensor | None = None,
+    scale: str = "group",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Pass@k training advantages: the exact group advantage of the Pass@k reward of k-subsets.
+
+    For a group of ``n`` binary rewards with ``c`` correct (reward 1), the Pass@k reward of a
+    random k-subset has mean ``rho`` and standard deviation ``sigma``:
+
+    ``rho = 1 - C(n - c, k) / C(n, k)``,  ``sigma = sqrt(rho * (1 - rho))``;
+
+    a correct sample belongs only to subsets that pass, an incorrect one to subsets that
+    pass with probability ``1 - C(n - c - 1, k - 1) / C(n - 1, k - 1)``, so
+
+    ``A_pos = (1 - rho) / (sigma + eps)``,
+    ``A_neg = (1 - rho - C(n - c - 1, k - 1) / C(n - 1, k - 1)) / (sigma + eps)``
+
+    (``scale="none"``: without the division). ``k = 1`` is GRPO with the biased group std.
+
+    Args:
+        rewards: [B] float rewards in {0, 1} (NaN = no reward, left out of n and c).
+        k: the k of Pass@k, 1 <= k (<= G with ``group_size``).
+        group_size: G samples per prompt, contiguous.
+        group_ids: [B] integer group id of each row, instead of ``group_size``.
+        scale: ``"group"`` (divide by ``sigma + eps``, the paper) or ``"none"``.
+        eps: added to ``sigma`` (>= 0); the authors' code uses 1e-6.
+
+    Returns:
+        [B] float32 advantages; 0 for NaN rewards, for groups with fewer than k finite
+        rewards, and for groups where every k-subset passes or none does (``sigma = 0``).
+
+    Note:
+        This is the paper's analytical form for binary rewards (its section "analytical
+        derivation", and ``calc_adv`` in the authors' code), computed for every group at
+        once with the binomial ratios as products of k factors in float64. It differs from
+        PKPO's leave-one-out transformation (arXiv 2505.15201), whose ``k = G`` case for
+        continuous rewards gives only the best sample ``r_max - r_second``.
+
+    Example:
+        >>> import torch
+        >>> # n = 4, c = 1, k = 2: rho = 1 - C(3,2)/C(4,2) = 0.5, sigma = 0.5
+        >>> # A_pos = 0.5 / 0.5 = 1; A_neg = (0.5 - C(2,1)/C(3,1)) / 0.5 = -1/3
+        >>> passk_advantages(torch.tensor([1., 0., 0., 0.]), k=2, group_size=4, eps=0.0)
+        tensor([ 1.0000, -0.3333, -0.3333, -0.3333])
+
+    References:
+        Pass@k Training for Adaptively Balancing Exploration and Exploitation of Large
+        Reasoning Models, https://arxiv.org/abs/2508.10751
+    """
+    fn = "passk_advantages"
+    check_tensor(fn, "rewards", rewards, ndim=1)
+    groups = _groups(fn, rewards, group_size, group_ids)
+    check_choice(fn, "scale", scale, ("group", "none"))
+    check_non_negative(fn, "eps", eps)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (group_size is not None and k > group_size):
+        limit = f" and <= group_size={group_size}" if group_size is not None else ""
+        raise InvalidArgumentError(f"{fn}: k must be an int >= 1{limit}, got {k!r}")
+    r = rewards.float()
+    valid = ~torch.isnan(r)
+    if not ((r == 0) | (r == 1) | ~valid).all():
+        bad = r[valid & (r != 0) & (r != 1)][:3].tolist()
+        raise InvalidArgumentError(f"{fn}: rewards must be 0 or 1 (or NaN), got values such as {bad}")
+    correct = r == 1
+    n = groups.sum(valid.double())
+    c = groups.sum(correct.double())
+    rho = 1 - _binomial_ratio(n - c, n, k)
+    sigma = (rho * (1 - rho)).sqrt()
+    a_pos = 1 - rho
+    a_neg = 1 - rho - _binomial_ratio(n - c - 1, n - 1, k - 1)
+    defined = (n >= k) & (sigma > 0)
+    if scale == "group":
+        factor = torch.where(defined, 1 / (sigma + eps).clamp(min=_TINY), 0.0)
+    else:
+        factor = defined.double()
+    advantages = torch.where(correct, groups.expand(a_pos * factor), groups.expand(a_neg * factor))
+    return torch.where(valid, advantages, 0.0).float() + 0.0
+
+
+@batch_args
+def opo_advantages(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    group_size: int | None = None,
+    group_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """OPO advantages: each reward minus its group's length-weighted mean reward.
+
+    With ``l_i = sum_t mask[i, t]`` the response length of sample i and the sums over the
+    finite rewards of i's group: ``b = sum_j l_j * r_j / sum_j l_j`` (the variance-optimal
+    baseline when the squared gradient norm of a response grows with its length) and
+    ``A_i = r_i - b``.
+
+    Args:
+        rewards: [B] float sequence rewards; NaN = no reward.
+        mask: [B, T] bool, True = the token counts (gives the lengths).
+        group_size: G samples per prompt, contiguous.
+        group_ids: [B] integer group id of each row, instead of ``group_size``.
+
+    Returns:
+        [B] float32 advantages; 0 for NaN rewards, all-equal groups and groups whose
+        finite-reward responses are all empty.
+
+    Note:
+        verl's ``compute_opo_outcome_advantage`` gives a group of one sample the baseline 0
+        (``A = r``); here, as in :func:`group_advantages`, a group with a single finite
+        reward has no baseline and gets 0. OPO is meant for exact on-policy training (one
+        gradient step per batch); that is a choice of the loop, not of this estimator.
+
+    Example:
+        >>> import torch
+        >>> mask = torch.tensor([[True, True, True], [True, False, False]])
+        >>> opo_advantages(torch.tensor([1., 0.]), mask, group_size=2)  # b = (3*1 + 1*0) / 4
+        tensor([ 0.2500, -0.7500])
+
+    References:
+        On-Policy RL with Optimal Reward Baseline (OPO), https://arxiv.org/abs/2505.23585
+    """
+    fn = "opo_advantages"
+    check_tensor(fn, "rewards", rewards, ndim=1)
+    groups = _groups(fn, rewards, group_size, group_ids)
+    _check_tokens(fn, mask)
+    if mask.shape[0] != rewards.shape[0]:
+        raise ShapeError(
+            f"{fn}: rewards has shape {shape_str(rewards)} but mask has shape {shape_str(mask)}; "
+            f"expected ({mask.shape[0]},)"
+        )
+    d, valid, tied = _deviations(groups, rewards)
+    lengths = torch.where(valid, mask.sum(-1).float(), 0.0)
+    total = groups.sum(lengths)
+    b = groups.sum(lengths * d) / total.clamp(min=1)
+    kept = ~tied & (total > 0)
+    return torch.where(valid & groups.expand(kept), d - groups.expand(b), 0.0) + 0.0
 
 
 # --- reverse discounted sums over the counted tokens -----------------------------------------
@@ -303,19 +591,8 @@ def _compact(x: torch.Tensor, dest: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _compact_rewards(fn: str, rewards: torch.Tensor, mask: torch.Tensor, dest: torch.Tensor, width: int):
-    """[B, width] compact float32 token rewards from [B, T] or [B] (last counted token) rewards."""
-    check_tensor(fn, "rewards", rewards, ndim=(1, 2))
-    check_float(fn, "rewards", rewards)
-    if rewards.dim() == 2:
-        if rewards.shape != mask.shape:
-            _raise_rewards_shape(fn, rewards, mask)
-        return _compact(rewards.float(), dest, width)[:, :width]
-    if rewards.shape[0] != mask.shape[0]:
-        _raise_rewards_shape(fn, rewards, mask)
-    n = mask.sum(-1, keepdim=True)
-    last = (n - 1).masked_fill_(n == 0, width + 1)
-    out = rewards.new_zeros(rewards.shape[0], width + 2, dtype=torch.float32)
-    return out.scatter_(1, last, rewards.float().unsqueeze(-1))[:, :width]
+    """[B, width] compact float32 token rewards: :func:`_token_rewards`, counted tokens moved left."""
+    return _compact(_token_rewards(fn, rewards, mask), dest, width)[:, :width]
 
 
 def _expand(y: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
@@ -370,23 +647,33 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, *, gamma: floa
 
 @batch_args
 def reinforce_pp_advantages(
-    rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0, group_size: int | None = None
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    group_size: int | None = None,
+    group_ids: torch.Tensor | None = None,
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """REINFORCE++ advantages: discounted token returns whitened over the whole batch.
 
     ``A = masked_whiten(discounted_returns(r, mask, gamma=gamma), mask)``, i.e.
     ``(G_t - mean) / sqrt(var + 1e-8)`` with the mean and unbiased variance of the returns
     ``G_t`` over every counted token of the batch (global, not per-prompt, normalization).
-    With ``group_size`` (REINFORCE++-baseline), the group mean of the sequence rewards is
-    subtracted first: ``r = rewards - mean_g`` (as ``group_advantages(..., scale="none")``,
-    so NaN rewards and all-equal groups give 0).
+    With ``group_size`` or ``group_ids`` (REINFORCE++-baseline), the group mean of the
+    sequence rewards is subtracted first: ``r = rewards - mean_g`` (as
+    ``group_advantages(..., scale="none")``, so NaN rewards and all-equal groups give 0).
 
     Args:
         rewards: [B, T] token rewards (e.g. from :func:`kl_penalized_rewards`) or [B]
-            sequence rewards; with ``group_size``, [B] only.
+            sequence rewards; with groups, [B] only.
         mask: [B, T] bool, True = the token counts.
         gamma: discount in [0, 1].
-        group_size: G for REINFORCE++-baseline; None for plain REINFORCE++.
+        group_size: G for REINFORCE++-baseline (contiguous groups); None for plain REINFORCE++.
+        group_ids: [B] integer group id of each row, instead of ``group_size``.
+        sum_over_ranks: sums a tensor over data-parallel ranks (e.g.
+            ``torchforge.distributed.sum_over_ranks``): the whitening statistics are then
+            those of the global batch; None: this process's batch.
 
     Returns:
         [B, T] float32 advantages, 0 where ``mask`` is False.
@@ -396,7 +683,7 @@ def reinforce_pp_advantages(
         the reward, center first and shape after:
         ``kl_penalized_rewards(group_advantages(r, group_size=G, scale="none"), ...)``, then
         call this without ``group_size`` (the baseline is the mean of the raw scores, not of
-        the KL-shaped returns). That is why ``group_size`` takes [B] rewards only.
+        the KL-shaped returns). That is why the group path takes [B] rewards only.
 
     Example:
         >>> import torch
@@ -411,19 +698,71 @@ def reinforce_pp_advantages(
     fn = "reinforce_pp_advantages"
     _check_tokens(fn, mask)
     _check_gamma(fn, "gamma", gamma)
-    if group_size is not None:
+    if group_size is not None or group_ids is not None:
         check_tensor(fn, "rewards", rewards)
         if rewards.dim() != 1:
             raise ShapeError(
-                f"{fn}: with group_size={group_size!r}, rewards must be [B] sequence rewards, got "
+                f"{fn}: with groups (group_size / group_ids), rewards must be [B] sequence rewards, got "
                 f"shape {shape_str(rewards)}; for token rewards, subtract the group mean from the "
-                "sequence rewards first and call without group_size"
+                "sequence rewards first and call without groups"
             )
-        _check_group(fn, rewards, group_size)
-        _, _, _, centered, kept, _ = _group_stats(rewards, group_size)
-        rewards = (centered * kept).view(-1)
+        centered, _, _, _ = _centered(_groups(fn, rewards, group_size, group_ids), rewards)
+        rewards = centered
     returns = _returns(fn, rewards, mask, float(gamma))
-    return masked_whiten(returns, mask)
+    return masked_whiten(returns, mask, sum_over_ranks=sum_over_ranks)
+
+
+@batch_args
+def remax_advantages(rewards: torch.Tensor, baseline_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """ReMax advantages: the reward-to-go minus the reward of the greedy completion.
+
+    ``A[b, t] = sum_{t' >= t} r[b, t'] - baseline_rewards[b]`` at counted tokens (the
+    undiscounted :func:`discounted_returns`), where ``baseline_rewards[b]`` is the reward of
+    the greedy (argmax) completion of row b's prompt; 0 where ``mask`` is False.
+
+    Args:
+        rewards: [B] sequence rewards (on the last counted token) or [B, T] token rewards.
+        baseline_rewards: [B] float reward of the greedy completion for each row's prompt.
+        mask: [B, T] bool, True = the token counts.
+
+    Returns:
+        [B, T] float32 advantages; a row whose sequence reward or baseline is NaN gets 0.
+
+    Note:
+        As verl's ``compute_remax_outcome_advantage``: returns by a reverse cumulative sum
+        over the counted tokens, then the baseline subtracted at every counted token; no
+        whitening.
+
+    Example:
+        >>> import torch
+        >>> mask = torch.tensor([[True, True, False], [True, True, True]])
+        >>> remax_advantages(torch.tensor([1., 0.]), torch.tensor([0.25, 0.5]), mask)
+        tensor([[ 0.7500,  0.7500,  0.0000],
+                [-0.5000, -0.5000, -0.5000]])
+
+    References:
+        ReMax, https://arxiv.org/abs/2310.10505
+    """
+    fn = "remax_advantages"
+    _check_tokens(fn, mask)
+    check_tensor(fn, "baseline_rewards", baseline_rewards, ndim=1)
+    check_float(fn, "baseline_rewards", baseline_rewards)
+    if baseline_rewards.shape[0] != mask.shape[0]:
+        raise ShapeError(
+            f"{fn}: baseline_rewards has shape {shape_str(baseline_rewards)} but mask has shape "
+            f"{shape_str(mask)}; expected ({mask.shape[0]},)"
+        )
+    check_tensor(fn, "rewards", rewards, ndim=(1, 2))
+    check_float(fn, "rewards", rewards)
+    if rewards.shape[0] != mask.shape[0]:
+        _raise_rewards_shape(fn, rewards, mask)
+    valid = torch.isfinite(baseline_rewards)
+    if rewards.dim() == 1:
+        valid = valid & torch.isfinite(rewards)
+        rewards = torch.where(valid, rewards, 0.0)
+    returns = _returns(fn, rewards, mask, 1.0)
+    advantages = returns - torch.where(valid, baseline_rewards.float(), 0.0).unsqueeze(-1)
+    return torch.where(mask & valid.unsqueeze(-1), advantages, 0.0)
 
 
 @batch_args

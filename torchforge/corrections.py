@@ -16,16 +16,15 @@ import math
 
 import torch
 
+from torchforge.advantages import _deviations, _groups
 from torchforge.batch import batch_args
 from torchforge.errors import (
     InvalidArgumentError,
-    ShapeError,
     check_choice,
     check_float,
     check_mask,
     check_same_shape,
     check_tensor,
-    shape_str,
 )
 
 __all__ = [
@@ -238,17 +237,23 @@ def overlong_penalty(
 
 
 @batch_args
-def zero_std_groups(rewards: torch.Tensor, *, group_size: int) -> torch.Tensor:
+def zero_std_groups(
+    rewards: torch.Tensor, *, group_size: int | None = None, group_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Flag the samples of the groups whose rewards are all equal (no learning signal).
 
-    With the rewards in contiguous groups of ``G = group_size`` samples per prompt,
-    ``zero_std_groups[b] = max_g r_g == min_g r_g`` over the non-NaN rewards of b's group
-    (a group with one or no non-NaN reward counts as all-equal). DAPO's dynamic sampling
-    keeps ``~zero_std_groups(rewards, group_size=G)``.
+    With the rewards in groups (contiguous blocks of ``G = group_size`` samples per
+    prompt, or the rows sharing a ``group_ids`` value),
+    ``zero_std_groups[b] = max_g r_g == min_g r_g`` over the finite rewards of b's group
+    (a group with one or no finite reward counts as all-equal). DAPO's dynamic sampling
+    keeps ``~zero_std_groups(rewards, group_size=G)``. These are exactly the groups to which
+    ``group_advantages`` (and every group estimator) gives advantage 0: both use one test.
 
     Args:
-        rewards: [B] float sequence rewards, B = prompts x G; NaN = no reward.
-        group_size: G >= 1; B must be a multiple of G.
+        rewards: [B] float sequence rewards; NaN (or +-inf) = no reward.
+        group_size: G >= 1 contiguous samples per prompt; B must be a multiple of G.
+        group_ids: [B] integer group id of each row (any order, any sizes), instead of
+            ``group_size``.
 
     Returns:
         [B] bool, True on every sample of an all-equal group (one flag per sample, so it
@@ -263,24 +268,13 @@ def zero_std_groups(rewards: torch.Tensor, *, group_size: int) -> torch.Tensor:
         DAPO, section 3.2 "Dynamic Sampling", https://arxiv.org/abs/2503.14476
 
     Note:
-        The test is exact equality, not ``std < eps``: a float residue in the std cannot
-        flip it. DAPO filters groups whose accuracy is 0 or 1; for binary rewards this is
-        the same thing.
+        The test is exact equality (float32, or float64 kept as is), not ``std < eps``: a
+        float residue in the std cannot flip it, and a constant added to every reward does
+        not change it. DAPO filters groups whose accuracy is 0 or 1; for binary rewards
+        this is the same thing.
     """
     fn = "zero_std_groups"
     check_tensor(fn, "rewards", rewards, ndim=1)
-    check_float(fn, "rewards", rewards)
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise InvalidArgumentError(f"{fn}: group_size must be an int >= 1, got {group_size!r}")
-    if rewards.shape[0] % group_size != 0:
-        raise ShapeError(
-            f"{fn}: rewards has shape {shape_str(rewards)}, not a multiple of group_size={group_size}; "
-            "expected B = prompts x G with each prompt's G samples contiguous"
-        )
-    # float32, or float64 kept as is: equality must not be decided by a rounding.
-    groups = rewards.to(torch.promote_types(rewards.dtype, torch.float32)).view(-1, group_size)
-    missing = torch.isnan(groups)
-    highest = torch.where(missing, -math.inf, groups).amax(-1)
-    lowest = torch.where(missing, math.inf, groups).amin(-1)
-    all_equal = ~(highest > lowest)
-    return all_equal.unsqueeze(-1).expand(-1, group_size).reshape(-1)
+    groups = _groups(fn, rewards, group_size, group_ids)
+    _, _, tied = _deviations(groups, rewards)
+    return groups.expand(tied)
