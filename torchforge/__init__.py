@@ -13,7 +13,10 @@ from torchforge.advantages import (
     gae,
     group_advantages,
     kl_penalized_rewards,
+    opo_advantages,
+    passk_advantages,
     reinforce_pp_advantages,
+    remax_advantages,
     rloo_advantages,
 )
 from torchforge.batch import Batch, batch_args, is_batch
@@ -163,6 +166,9 @@ __all__ = [
     # advantages
     "group_advantages",
     "rloo_advantages",
+    "passk_advantages",
+    "opo_advantages",
+    "remax_advantages",
     "discounted_returns",
     "reinforce_pp_advantages",
     "kl_penalized_rewards",
