@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -218,10 +219,19 @@ def scenario_generate(out: Path) -> None:
                    out / "generate.pt")
 
 
+def _draws() -> torch.Tensor:
+    """Three draws of torch, one of ``random`` and one of numpy: every RNG a checkpoint restores."""
+    import numpy as np
+
+    return torch.cat([torch.rand(3).double(), torch.tensor([random.random(), np.random.rand()], dtype=torch.float64)])
+
+
 def scenario_checkpoint(out: Path) -> None:
     """FSDP2 + AdamW: step 1, save, step 2; then fresh objects load and redo step 2; export."""
-    from torchforge.distributed.checkpoint import export_pretrained, load_checkpoint, save_checkpoint
+    import numpy as np
+
     from torchforge.distributed import rank, shard, sync_weights, world_size
+    from torchforge.distributed.checkpoint import export_pretrained, load_checkpoint, save_checkpoint
 
     batch = local_shard(global_batch(), rank(), world_size())
 
@@ -233,12 +243,14 @@ def scenario_checkpoint(out: Path) -> None:
 
     model, optimizer, scheduler = fresh(0)  # seed 0: the 1-process reference's weights
     torch.manual_seed(100 + rank())  # distinct RNG streams per rank
+    random.seed(100 + rank())
+    np.random.seed(100 + rank())
     loss1 = train_step(model, optimizer, batch, "token-mean")
     scheduler.step()
     ckpt = out / "ckpt"
     save_checkpoint(ckpt, model=model, optimizer=optimizer, scheduler=scheduler,
                     extra={"step": 1, "rank": rank()})
-    rand_after_save = torch.rand(3)
+    rand_after_save = _draws()
     params1 = params_of(model)
     exp_avg1 = full_tensors((n, optimizer.state[p]["exp_avg"]) for n, p in model.named_parameters())
     loss2 = train_step(model, optimizer, batch, "token-mean")
@@ -256,8 +268,10 @@ def scenario_checkpoint(out: Path) -> None:
     # resume with the same number of processes, into fresh objects
     model_b, optimizer_b, scheduler_b = fresh(7)  # loading must overwrite this init
     torch.manual_seed(999)
+    random.seed(999)
+    np.random.seed(999)
     extra = load_checkpoint(ckpt, model=model_b, optimizer=optimizer_b, scheduler=scheduler_b)
-    rand_after_load = torch.rand(3)
+    rand_after_load = _draws()
     resumed_params1 = params_of(model_b)
     resumed_lr = optimizer_b.param_groups[0]["lr"]
     resumed_loss2 = train_step(model_b, optimizer_b, batch, "token-mean")

@@ -38,6 +38,7 @@ from torchforge.distributed import (
     init_distributed,
     is_main_process,
     launch,
+    latest_checkpoint,
     load_checkpoint,
     rank,
     reduce_metric_sums,
@@ -211,6 +212,7 @@ __all__ = [
     # checkpoint
     "save_checkpoint",
     "load_checkpoint",
+    "latest_checkpoint",
     "export_pretrained",
     "rng_state",
     "set_rng_state",

@@ -15,6 +15,7 @@ whole optimizer step (all micro-batches, all ranks): see :func:`global_counts` a
 
 from torchforge.distributed.checkpoint import (
     export_pretrained,
+    latest_checkpoint,
     load_checkpoint,
     rng_state,
     save_checkpoint,
@@ -69,6 +70,7 @@ __all__ = [
     "sync_weights",
     "save_checkpoint",
     "load_checkpoint",
+    "latest_checkpoint",
     "export_pretrained",
     "rng_state",
     "set_rng_state",
