@@ -8,10 +8,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from tests.reference import approx_kl_ref, exact_kl_ref
+from tests.reference import (
+    adaptive_kl_coef_ref,
+    approx_kl_ref,
+    exact_kl_ref,
+    verl_low_var_kl_ref,
+)
 from torchforge.batch import Batch
-from torchforge.errors import DTypeError, InvalidArgumentError, MissingKeyError, ShapeError
-from torchforge.kl import KL_ESTIMATORS, approx_kl, exact_kl
+from torchforge.errors import (
+    DTypeError,
+    InvalidArgumentError,
+    MissingKeyError,
+    ShapeError,
+)
+from torchforge.kl import (
+    KL_ESTIMATORS,
+    KL_GRADIENTS,
+    adaptive_kl_coef,
+    approx_kl,
+    exact_kl,
+)
 
 LN2 = math.log(2.0)
 SETTINGS = settings(max_examples=30, deadline=None)
@@ -63,7 +79,8 @@ def test_approx_kl_matches_reference(B, T, seed, estimator):
     g = torch.Generator().manual_seed(seed)
     lp = -3 * torch.rand(B, T, generator=g)
     ref = -3 * torch.rand(B, T, generator=g)
-    out = approx_kl(lp, ref, estimator=estimator)
+    # max_ratio=inf: Schulman's k3 as written (the default bounds it where ref / pi > 2)
+    out = approx_kl(lp, ref, estimator=estimator, max_ratio=math.inf)
     torch.testing.assert_close(out.double(), approx_kl_ref(lp, ref, estimator), rtol=1e-5, atol=1e-6)
 
 
@@ -78,15 +95,16 @@ def test_approx_kl_nonnegative_estimators(log_ratio, estimator):
 
 
 @pytest.mark.parametrize("estimator", KL_ESTIMATORS)
-@pytest.mark.parametrize("straight_through", [False, True])
-def test_approx_kl_zero_when_policies_equal(estimator, straight_through):
+@pytest.mark.parametrize("gradient", KL_GRADIENTS)
+def test_approx_kl_zero_when_policies_equal(estimator, gradient):
     lp = torch.log(torch.rand(3, 5) + 0.01).requires_grad_()
-    out = approx_kl(lp, lp.detach(), estimator=estimator, straight_through=straight_through)
+    out = approx_kl(lp, lp.detach(), old_log_probs=lp.detach(), estimator=estimator, gradient=gradient)
     assert out.equal(torch.zeros(3, 5))
     out.sum().backward()
     # k2, k3, abs and every straight-through estimate have their minimum there: zero
-    # gradient. k1 = log_ratio is linear: its per-token gradient is 1.
-    expected_grad = 1.0 if estimator == "k1" and not straight_through else 0.0
+    # gradient. k1 = log_ratio is linear: its per-token gradient is 1 (bias-corrected:
+    # 1 * rho + k1 * rho = 1 at k1 = 0, rho = 1).
+    expected_grad = 1.0 if estimator == "k1" and gradient != "straight-through" else 0.0
     assert lp.grad.equal(torch.full((3, 5), expected_grad))
 
 
@@ -105,7 +123,7 @@ def test_approx_kl_bf16_input_gives_float32():
 def _expectation(log_pi, log_ref, estimator, sample_log=None):
     """E_{y ~ exp(sample_log)}[k(y)], exactly: sum over the V outcomes."""
     sample_log = log_pi if sample_log is None else sample_log
-    k = approx_kl(log_pi, log_ref, estimator=estimator).double()
+    k = approx_kl(log_pi, log_ref, estimator=estimator, max_ratio=math.inf).double()
     return float((sample_log.exp() * k).sum())
 
 
@@ -133,13 +151,13 @@ def test_monte_carlo_k1_k3_unbiased_k2_biased():
     y = torch.multinomial(log_pi.exp(), n, replacement=True, generator=g)
     lp, ref = log_pi[y].float(), log_ref[y].float()
     for estimator in ("k1", "k3"):
-        k = approx_kl(lp, ref, estimator=estimator).double()
+        k = approx_kl(lp, ref, estimator=estimator, max_ratio=math.inf).double()
         stderr = float(k.std()) / math.sqrt(n)
         assert abs(float(k.mean()) - kl) < 4 * stderr, estimator
     k2 = approx_kl(lp, ref, estimator="k2").double()
     assert abs(float(k2.mean()) - kl) > 20 * float(k2.std()) / math.sqrt(n)
     # and k3 has a lower variance than k1 here (the point of k3)
-    assert approx_kl(lp, ref, estimator="k3").var() < approx_kl(lp, ref, estimator="k1").var()
+    assert approx_kl(lp, ref, estimator="k3", max_ratio=math.inf).var() < approx_kl(lp, ref, estimator="k1").var()
 
 
 def test_importance_weights_correct_off_policy_samples():
@@ -149,7 +167,7 @@ def test_importance_weights_correct_off_policy_samples():
     weights = (log_pi - log_old).exp()
     kl = _kl(log_pi, log_ref)
     for estimator in ("k1", "k3"):
-        k = approx_kl(log_pi, log_ref, weights, estimator=estimator).double()
+        k = approx_kl(log_pi, log_ref, weights, estimator=estimator, max_ratio=math.inf).double()
         assert float((log_old.exp() * k).sum()) == pytest.approx(kl, rel=1e-5)
         unweighted = _expectation(log_pi, log_ref, estimator, sample_log=log_old)
         assert abs(unweighted - kl) > 1e-2  # without the weights it is wrong
@@ -159,8 +177,8 @@ def test_importance_weights_multiply_and_are_detached():
     lp = torch.log(torch.rand(2, 4) + 0.1).requires_grad_()
     ref = torch.log(torch.rand(2, 4) + 0.1)
     weights = (torch.rand(2, 4) + 0.5).requires_grad_()
-    out = approx_kl(lp, ref, weights)
-    torch.testing.assert_close(out, weights.detach() * approx_kl(lp, ref), rtol=0, atol=0)
+    out = approx_kl(lp, ref, weights, max_ratio=math.inf)  # k3 as written
+    torch.testing.assert_close(out, weights.detach() * approx_kl(lp, ref, max_ratio=math.inf), rtol=0, atol=0)
     out.sum().backward()
     assert weights.grad is None
     # d(w k3)/d lp = w (1 - exp(-log_ratio))
@@ -180,7 +198,8 @@ def _expected_gradient(estimator, straight_through, seed=11, V=7):
     log_pi, log_ref = _categorical(seed, V)
     theta = log_pi.clone().requires_grad_()
     log_probs = torch.log_softmax(theta, -1)
-    k = approx_kl(log_probs, log_ref, estimator=estimator, straight_through=straight_through)
+    k = approx_kl(log_probs, log_ref, estimator=estimator, max_ratio=math.inf,
+                  gradient="straight-through" if straight_through else "estimator")
     (log_probs.exp().detach() * k.double()).sum().backward()
     return theta.grad, log_pi, log_ref
 
@@ -213,7 +232,7 @@ def test_straight_through_value_of_estimator_gradient_of_k2(estimator):
     lp = torch.log(torch.rand(3, 6) + 0.05).requires_grad_()
     ref = torch.log(torch.rand(3, 6) + 0.05)
     plain = approx_kl(lp, ref, estimator=estimator)
-    st_out = approx_kl(lp, ref, estimator=estimator, straight_through=True)
+    st_out = approx_kl(lp, ref, estimator=estimator, gradient="straight-through")
     assert st_out.detach().equal(plain.detach())  # exactly the estimator's value
     (grad_st,) = torch.autograd.grad(st_out.sum(), lp)
     (grad_k2,) = torch.autograd.grad(approx_kl(lp, ref, estimator="k2").sum(), lp)
@@ -230,30 +249,116 @@ def test_straight_through_value_of_estimator_gradient_of_k2(estimator):
 # ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("estimator", KL_ESTIMATORS)
-@pytest.mark.parametrize("straight_through", [False, True])
-def test_clamping_keeps_values_and_gradients_finite(estimator, straight_through):
-    lp = torch.tensor([0.0, -1e4, 0.0, -3.0]).requires_grad_()
-    ref = torch.tensor([-1e4, 0.0, 0.0, -1.0])
-    out = approx_kl(lp, ref, estimator=estimator, straight_through=straight_through)
-    assert torch.isfinite(out).all()
+@pytest.mark.parametrize("gradient", ["estimator", "straight-through"])
+def test_extremes_keep_values_and_gradients_finite_and_nonzero(estimator, gradient):
+    # Regression: with x = lp - ref = [-19, -5, 25], k3 gave values [1.8e8, 142, 19] and
+    # gradients [-1.8e8, -147, 0]; k1, k2, abs lost their gradient past +-20.
+    lp = torch.tensor([-19.0, -5.0, 25.0, -1e4, 1e4]).requires_grad_()
+    out = approx_kl(lp, torch.zeros(5), estimator=estimator, gradient=gradient)
     out.sum().backward()
-    assert torch.isfinite(lp.grad).all()
-    # Clamped positions (|log_ratio| = 1e4 > 20) get zero gradient; the others do not.
-    assert lp.grad[:2].equal(torch.zeros(2))
-    assert lp.grad[3] != 0
+    assert torch.isfinite(out).all() and torch.isfinite(lp.grad).all()
+    assert (lp.grad != 0).all()  # no cliff: every token keeps a gradient
+    x = lp.detach()
+    if gradient == "straight-through" or estimator == "k2":
+        torch.testing.assert_close(lp.grad, x)  # the gradient of k2, exact at any x
+    elif estimator == "k1":
+        assert lp.grad.equal(torch.ones(5))
+    elif estimator == "abs":
+        assert lp.grad.equal(torch.sign(x))
+    else:  # bounded k3: |gradient| <= 1 (max_ratio = 2)
+        assert (lp.grad.abs() <= 1).all()
+    if estimator in ("k1", "k2", "abs"):  # exact values, no clamp
+        want = {"k1": x, "k2": x**2 / 2, "abs": x.abs()}[estimator]
+        torch.testing.assert_close(out.detach(), want)
 
 
-def test_clamping_hand_derived():
-    # log_ratio = -1e4 clamps to -20: k3 = exp(20) - 1 - 20; log_ratio = 1e4 clamps to
-    # 20: k3 = exp(-20) - 1 + 20; k1 = +-20.
-    lp = torch.tensor([-1e4, 0.0])
-    ref = torch.tensor([0.0, -1e4])
-    k3 = approx_kl(lp, ref, estimator="k3").double()
-    torch.testing.assert_close(k3, torch.tensor([math.exp(20) - 21, math.exp(-20) + 19], dtype=torch.float64), rtol=1e-6, atol=0)
-    assert approx_kl(lp, ref, estimator="k1").equal(torch.tensor([-20.0, 20.0]))
-    assert approx_kl(lp, ref, estimator="k1", max_log_ratio=5.0).equal(torch.tensor([-5.0, 5.0]))
-    # Without the clamp, exp overflows to inf: the clamp is what keeps it finite.
-    assert torch.isinf(approx_kl(lp, ref, max_log_ratio=float("inf"))[0])
+def test_bounded_k3_hand_derived():
+    # r = ref / pi = e^u with u = -x. Beyond r = max_ratio = 2 (u > log 2) r continues
+    # along its tangent: r = 2 (1 + u - log 2), k3 = r - 1 - u, d k3 / d x = 1 - 2 = -1.
+    #   x = -19: k3 = 2 (1 + 19 - log 2) - 1 - 19 = 20 - 2 log 2 = 18.6137
+    #   x = -5:  k3 = 2 (1 + 5 - log 2) - 1 - 5 = 6 - 2 log 2 = 4.6137
+    #   x = 25:  r = e^-25: k3 = e^-25 - 1 + 25 = 24, d k3 / d x = 1 - e^-25 = 1
+    x = torch.tensor([-19.0, -5.0, 25.0, -math.log(2), 0.3], requires_grad=True)
+    k3 = approx_kl(x, torch.zeros(5))
+    k3.sum().backward()
+    want = [20 - 2 * LN2, 6 - 2 * LN2, 24.0, 1 - LN2, math.exp(-0.3) - 1 + 0.3]
+    torch.testing.assert_close(k3.detach().double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, torch.tensor([-1.0, -1.0, 1.0, -1.0, 1 - math.exp(-0.3)]))
+    # continuous at the knee, value and gradient; other bounds move the knee
+    eps = 1e-3
+    y = torch.tensor([-LN2 - eps, -LN2 + eps], dtype=torch.float64, requires_grad=True)
+    v = approx_kl(y, torch.zeros(2, dtype=torch.float64)); v.sum().backward()
+    assert abs(float(v[0] - v[1])) < 3e-3 and abs(float(y.grad[0] - y.grad[1])) < 3e-3
+    torch.testing.assert_close(approx_kl(torch.tensor([-2.0]), torch.zeros(1), max_ratio=10.0),
+                               torch.tensor([math.exp(2) - 3]))  # r = e^2 < 10: exact
+
+
+def test_bounded_k3_equals_verl_low_var_kl_where_neither_clamps():
+    # verl clamps exp(ref - lp) - (ref - lp) - 1 at 10; the bound here starts at ref / pi > 2.
+    x = torch.linspace(-math.log(2), 5.0, 50, dtype=torch.float32)
+    torch.testing.assert_close(approx_kl(x, torch.zeros(50)), verl_low_var_kl_ref(x, torch.zeros(50)),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_bias_corrected_gradient_is_that_of_kl_pi_ref_in_expectation():
+    # On-policy (old = pi), E_pi[grad (k rho)] = grad E_pi[k] = grad KL(pi || ref) for k1, k3.
+    for estimator in ("k1", "k3"):
+        theta = torch.randn(7, generator=torch.Generator().manual_seed(11), dtype=torch.float64).requires_grad_()
+        log_pi = torch.log_softmax(theta, -1)
+        log_ref = torch.log_softmax(torch.randn(7, generator=torch.Generator().manual_seed(12), dtype=torch.float64), -1)
+        k = approx_kl(log_pi, log_ref, old_log_probs=log_pi.detach(), estimator=estimator,
+                      gradient="bias-corrected", max_ratio=math.inf)
+        # E over y ~ pi, with the sampling weights held fixed (a score-function estimate)
+        (g,) = torch.autograd.grad((log_pi.detach().exp() * k).sum(), theta)
+        torch.testing.assert_close(g, _kl_gradient(log_pi.detach(), log_ref, reverse=False), atol=1e-6, rtol=1e-5)
+
+
+def test_adaptive_kl_coef_hand_derived_and_reference():
+    # observed 2x the target: error clipped to 0.2; 1000 / 10000 of the horizon: x 1.02
+    assert adaptive_kl_coef(0.1, 0.2, target=0.1, horizon=10_000, num_steps=1000) == pytest.approx(0.102)
+    assert adaptive_kl_coef(0.1, 0.09, target=0.1, horizon=100, num_steps=10) == pytest.approx(0.1 * (1 - 0.01))
+    for kl in (0.0, 0.05, 0.11, 3.0):
+        want = adaptive_kl_coef_ref(0.2, kl, 0.1, 50, 7)
+        assert adaptive_kl_coef(0.2, kl, target=0.1, horizon=50, num_steps=7) == pytest.approx(want)
+        got = adaptive_kl_coef(torch.tensor(0.2), torch.tensor(kl), target=0.1, horizon=50, num_steps=7)
+        assert isinstance(got, torch.Tensor) and got.item() == pytest.approx(want, rel=1e-6)
+    assert adaptive_kl_coef(0.3, 5.0, target=1.0, horizon=10, num_steps=0) == 0.3
+
+
+@SETTINGS
+@given(coef=st.floats(0, 10), kl=st.floats(0, 100), target=st.floats(1e-3, 10), steps=st.integers(0, 100))
+def test_adaptive_kl_coef_moves_towards_the_target_by_at_most_20_percent(coef, kl, target, steps):
+    new = adaptive_kl_coef(coef, kl, target=target, horizon=100, num_steps=steps)
+    assert abs(new - coef) <= 0.2 * coef * steps / 100 + 1e-12
+    if kl > target:
+        assert new >= coef
+    elif kl < target:
+        assert new <= coef
+
+
+def test_adaptive_kl_coef_bad_inputs():
+    with pytest.raises(InvalidArgumentError, match="adaptive_kl_coef: target must be > 0, got 0"):
+        adaptive_kl_coef(0.1, 0.1, target=0, horizon=10, num_steps=1)
+    with pytest.raises(InvalidArgumentError, match="adaptive_kl_coef: horizon must be > 0, got -1"):
+        adaptive_kl_coef(0.1, 0.1, target=0.1, horizon=-1, num_steps=1)
+    with pytest.raises(InvalidArgumentError, match="adaptive_kl_coef: num_steps must be an int >= 0, got -2"):
+        adaptive_kl_coef(0.1, 0.1, target=0.1, horizon=10, num_steps=-2)
+    with pytest.raises(InvalidArgumentError, match="adaptive_kl_coef: kl_coef must be >= 0, got -0.1"):
+        adaptive_kl_coef(-0.1, 0.1, target=0.1, horizon=10, num_steps=1)
+    with pytest.raises(InvalidArgumentError, match="adaptive_kl_coef: observed_kl must be finite, got nan"):
+        adaptive_kl_coef(0.1, float("nan"), target=0.1, horizon=10, num_steps=1)
+    with pytest.raises(ShapeError, match=r"adaptive_kl_coef: observed_kl must be a float scalar tensor, got shape \(2,\)"):
+        adaptive_kl_coef(0.1, torch.zeros(2), target=0.1, horizon=10, num_steps=1)
+
+
+def test_approx_kl_empty_inputs():
+    for shape in [(0, 4), (3, 0)]:
+        lp = torch.zeros(shape, requires_grad=True)
+        for gradient in KL_GRADIENTS:
+            out = approx_kl(lp, torch.zeros(shape), old_log_probs=torch.zeros(shape), gradient=gradient)
+            assert out.shape == shape
+            out.sum().backward()
+            assert lp.grad.shape == shape
 
 
 # ----------------------------------------------------------------------------------------
@@ -295,6 +400,14 @@ def test_approx_kl_bad_inputs():
         approx_kl(lp, lp, max_log_ratio=0.0)
     with pytest.raises(InvalidArgumentError, match="approx_kl: max_log_ratio must be > 0, got nan"):
         approx_kl(lp, lp, max_log_ratio=float("nan"))
+    with pytest.raises(InvalidArgumentError, match="approx_kl: max_ratio must be > 1 \\(a bound on ref / pi\\), got 1.0"):
+        approx_kl(lp, lp, max_ratio=1.0)
+    with pytest.raises(InvalidArgumentError, match="approx_kl: gradient is 'k2'; expected one of 'estimator', 'straight-through', 'bias-corrected'"):
+        approx_kl(lp, lp, gradient="k2")
+    with pytest.raises(InvalidArgumentError, match="approx_kl: gradient='bias-corrected' needs old_log_probs"):
+        approx_kl(lp, lp, gradient="bias-corrected")
+    with pytest.raises(ShapeError, match=r"approx_kl: old_log_probs has shape \(2, 2\) but log_probs"):
+        approx_kl(lp, lp, old_log_probs=lp[:, :2], gradient="bias-corrected")
     with pytest.raises(Exception, match="approx_kl: log_probs must be a torch.Tensor, got list"):
         approx_kl([0.0], lp)
 

@@ -8,21 +8,33 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from tests.reference import aggregate_ref, ppo_metrics_ref, ppo_per_token_ref, value_per_token_ref
+from tests.reference import (
+    aggregate_ref,
+    gmpo_loss_ref,
+    kl_cov_loss_ref,
+    ppo_metrics_ref,
+    ppo_per_token_ref,
+    sapo_per_token_ref,
+    value_per_token_ref,
+    verl_low_var_kl_ref,
+)
 from torchforge.batch import Batch
 from torchforge.errors import DTypeError, InvalidArgumentError, ShapeError
 from torchforge.kl import approx_kl
 from torchforge.losses import (
-    _aggregate_zeroed,
-    _ClippedSurrogate,
     cispo_loss,
+    clip_cov_loss,
+    gmpo_loss,
     grpo_loss,
+    kl_cov_loss,
     policy_ratio,
     ppo_loss,
     reinforce_loss,
+    sapo_loss,
     value_loss,
 )
 from torchforge.reduce import AGGREGATION_MODES, Aggregation, aggregate
+from torchforge.testing import check_policy_loss
 
 SETTINGS = settings(max_examples=30, deadline=None)
 NAN = float("nan")
@@ -60,11 +72,23 @@ def _all_losses():
             "reinforce": lambda lp, m, **k: reinforce_loss(lp, adv, m, w, **k),
             "cispo": lambda lp, m, **k: cispo_loss(lp, old, adv, m, clip_low=0.2, clip_high=0.3, **k),
             "value": lambda lp, m, **k: value_loss(lp, old, ret, m, clip=0.1, **k),
+            "grpo_st": lambda lp, m, **k: grpo_loss(lp, old, adv, m, ref, kl_coef=0.1,
+                                                    kl_gradient="straight-through", **k),
+            "grpo_bc": lambda lp, m, **k: grpo_loss(lp, old, adv, m, ref, kl_coef=0.1,
+                                                    kl_gradient="bias-corrected", **k),
+            "sapo": lambda lp, m, **k: sapo_loss(lp, old, adv, m, w, **k),
+            "gmpo": lambda lp, m, **k: gmpo_loss(lp, old, adv, m, **k),
+            "clip_cov": lambda lp, m, **k: clip_cov_loss(lp, old, adv, m, select_frac=0.1, cov_low=0.0,
+                                                         generator=torch.Generator().manual_seed(0), **k),
+            "kl_cov": lambda lp, m, **k: kl_cov_loss(lp, old, adv, m, select_frac=0.1, **k),
         }
     return make
 
 
-LOSS_NAMES = ["ppo", "ppo_seq", "grpo", "reinforce", "cispo", "value"]
+# Clip-Cov and KL-Cov select tokens by the covariance of *this call's* tokens (as verl):
+# split over ranks they select differently, so they are left out of the per-rank test.
+LOCAL_LOSS_NAMES = ["ppo", "ppo_seq", "grpo", "grpo_st", "grpo_bc", "reinforce", "cispo", "value", "sapo", "gmpo"]
+LOSS_NAMES = LOCAL_LOSS_NAMES + ["clip_cov", "kl_cov"]
 
 
 # --- hand-derived cases -----------------------------------------------------------------
@@ -120,7 +144,7 @@ def test_inside_clip_equals_unclipped_surrogate(seed, token_adv, mode):
 
 def test_on_policy_gradient_is_masked_mean_of_minus_a_grad_log_pi():
     # lp == old: ratio 1 everywhere, d loss / d lp_bt = -A_b / N on counted tokens.
-    lp, old, adv, mask = _data(seed=1)
+    _, old, adv, mask = _data(seed=1)
     _, grad, _ = _grad(ppo_loss, old, old, adv, mask)
     expected = torch.where(mask, -adv[:, None] / mask.sum(), 0.0)
     torch.testing.assert_close(grad, expected, atol=1e-7, rtol=1e-6)
@@ -272,25 +296,9 @@ def test_value_loss_matches_reference(B, T, seed, mode, clip):
     assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
-@given(seed=st.integers(0, 10_000), mode=st.sampled_from(AGGREGATION_MODES),
-       dp_size=st.sampled_from([1, 3]), norm_length=st.sampled_from([None, 11]))
-@SETTINGS
-def test_fast_aggregation_equals_aggregate(seed, mode, dp_size, norm_length):
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.rand(4, 5, generator=g) < 0.5
-    per_token = torch.where(mask, torch.randn(4, 5, generator=g), 0.0)
-    agg = Aggregation(mode, num_tokens=torch.tensor(17), num_sequences=7, dp_size=dp_size,
-                      norm_length=norm_length)
-    lengths = mask.float().sum(-1, keepdim=True)
-    count = lengths.long().sum()
-    torch.testing.assert_close(_aggregate_zeroed("f", per_token, lengths, count, agg), agg(per_token, mask))
-    local = Aggregation(mode, norm_length=norm_length)
-    torch.testing.assert_close(_aggregate_zeroed("f", per_token, lengths, count, local), local(per_token, mask))
-
-
 # --- properties shared by every loss ----------------------------------------------------
 
-@pytest.mark.parametrize("name", LOSS_NAMES)
+@pytest.mark.parametrize("name", LOCAL_LOSS_NAMES)
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
 def test_per_rank_losses_with_global_counts_add_up(name, mode):
     # Two ranks with half the rows each, global counts, dp_size=2: the mean of the
@@ -344,7 +352,7 @@ def test_nan_in_side_inputs_at_masked_positions_does_not_leak():
     lp, old, adv, mask = _data(4, 6, seed=6, token_adv=True)
     mask[1] = False
     ref, w = old - 0.1, torch.rand(4, 6)
-    dirty = lambda x: torch.where(mask, x, NAN)  # noqa: E731
+    dirty = lambda x: torch.where(mask, x, NAN)
     for token_adv in (True, False):
         a = adv if token_adv else adv[:, 0]
         a_dirty = dirty(a) if token_adv else torch.where(mask.any(-1), a, NAN)
@@ -395,27 +403,23 @@ def test_masked_equals_sliced_ppo_tensors():
         torch.testing.assert_close(ma[key], mb[key])
 
 
-def test_gradcheck_clipped_surrogate_float64():
-    torch.manual_seed(0)
-    B, T = 3, 4
-    lp = (torch.randn(B, T, dtype=torch.float64) * 0.3).requires_grad_()
-    old = torch.zeros(B, T, dtype=torch.float64)
-    mask = torch.rand(B, T) < 0.7
-    adv = torch.tensor([[1.0], [-1.0], [0.5]], dtype=torch.float64)
-    lengths = mask.double().sum(-1, keepdim=True)
-    neg_scale = -adv * mask.double()
-    lower = torch.where(adv < 0, math.log(0.8), -20.0).double()
-    upper = torch.where(adv > 0, math.log(1.2), 20.0).double()
-    for sequence in (False, True):
-        def f(x):
-            return _ClippedSurrogate.apply(x, old, mask, lengths, neg_scale, lower, upper, sequence)[0]
-        if sequence:  # the GSPO-token gradient is that of ratio = sg(s) exp(lp - sg(lp)): check by hand
-            out = f(lp).sum(); out.backward()
-            s = torch.exp(torch.where(mask, lp, 0.0).sum(-1, keepdim=True) / lengths.clamp(min=1)).detach()
-            inside = (torch.log(s) >= lower) & (torch.log(s) <= upper)
-            torch.testing.assert_close(lp.grad, torch.where(inside, neg_scale * s, 0.0))
-        else:
-            assert torch.autograd.gradcheck(f, (lp,))
+def test_ppo_gradient_is_the_textbook_formula():
+    # d pg_loss / d lp = -A * ratio where the clip is inactive, 0 where it is active
+    # (token level); GSPO-token: -A * s_b at every counted token of a row inside the clip.
+    lp, old, _, mask = _data(3, 5, seed=21, spread=0.4)
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    _, grad, _ = _grad(ppo_loss, lp, old, adv, mask)
+    ratio = torch.exp(torch.where(mask, lp - old, 0.0))
+    A = adv[:, None]
+    inside = torch.where(A > 0, ratio <= 1.2, ratio >= 0.8)
+    expected = torch.where(mask & inside, -A * ratio, 0.0) / mask.sum()
+    torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-8)
+    _, grad, _ = _grad(ppo_loss, lp, old, adv, mask, ratio_level="sequence")
+    n = mask.sum(-1, keepdim=True)
+    s = torch.exp(torch.where(mask, lp - old, 0.0).sum(-1, keepdim=True) / n.clamp(min=1))
+    inside = torch.where(A > 0, s <= 1.2, s >= 0.8)
+    expected = torch.where(mask & inside, -A * s, 0.0) / mask.sum()
+    torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-8)
 
 
 def test_bf16_inputs_give_float32():
@@ -541,7 +545,7 @@ def test_ppo_loss_compiles_with_inductor():
     import torch._dynamo
     torch._dynamo.reset()
     lp, old, adv, mask = _data(8, 16, seed=14)
-    fn = lambda x: ppo_loss(x, old, adv, mask, dual_clip=3.0)  # noqa: E731
+    fn = lambda x: ppo_loss(x, old, adv, mask, dual_clip=3.0)
     compiled = torch.compile(fn, fullgraph=True)
     x1, x2 = lp.clone().requires_grad_(), lp.clone().requires_grad_()
     (l1, m1), (l2, m2) = fn(x1), compiled(x2)
@@ -568,3 +572,261 @@ def test_advantages_are_a_target_and_get_no_gradient(name):
     loss.backward()
     assert adv.grad is None
     torch.testing.assert_close(lp.grad, torch.full((1, 2), -0.75))  # -A / N on-policy
+
+
+# --- empty inputs (B = 0, T = 0) --------------------------------------------------------
+
+@pytest.mark.parametrize("name", LOSS_NAMES)
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_empty_batch_gives_zero_loss_zero_gradient_finite_metrics(name, shape, mode):
+    # Regression: B = 0 or T = 0 raised "aminmax(): ... empty dimension".
+    # (seq-mean-token-sum-norm gets an explicit length: its default, T, is 0 here.)
+    B, T = shape
+    lp = torch.zeros(B, T)
+    loss, grad, metrics = _grad(_all_losses()(B, T)[name], lp, torch.zeros(B, T, dtype=torch.bool),
+                                aggregation=Aggregation(mode, norm_length=8))
+    assert loss.item() == 0 and grad.shape == (B, T)
+    for key, value in metrics.items():
+        assert torch.isfinite(value) and value.item() == 0, key
+
+
+# --- metrics: max / min ---------------------------------------------------------------
+
+def test_ratio_max_and_min_are_masked_extrema():
+    lp = torch.tensor([[0.5, -0.5, 9.0], [0.1, 0.2, 0.0]]); old = torch.zeros(2, 3)
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    _, m = ppo_loss(lp, old, torch.tensor([1.0, -1.0]), mask)
+    assert m["ratio_max"].item() == pytest.approx(math.exp(0.5), rel=1e-6)   # 9.0 is masked
+    assert m["ratio_min"].item() == pytest.approx(math.exp(-0.5), rel=1e-6)
+    assert "ratio_max" in m and "ratio_min" in m
+
+
+# --- the KL term of grpo_loss ------------------------------------------------------------
+
+def _kl_term_grad(lp, old, ref, mask, coef, **kwargs):
+    """Gradient of grpo_loss's KL term alone (advantages 0, so the surrogate adds nothing)."""
+    lp = lp.clone().requires_grad_()
+    loss, _ = grpo_loss(lp, old, torch.zeros(lp.shape[0]), mask, ref, kl_coef=coef, **kwargs)
+    loss.backward()
+    return lp.grad
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs"])
+def test_grpo_kl_gradient_forms_match_their_formulas(estimator):
+    # x = lp - ref; N counted tokens, token-mean, coef c:
+    #   estimator:        c * d k / d x / N
+    #   straight-through: c * x / N                      (the gradient of k2)
+    #   bias-corrected:   c * (d k / d x * rho + k * rho) / N with rho = exp(lp - old)
+    # (k3 as written holds where ref / pi <= 2, i.e. lp - ref >= -log 2: asserted below.)
+    g = torch.Generator().manual_seed(5)
+    lp = -torch.rand(3, 4, generator=g); ref = lp + 0.3 * torch.randn(3, 4, generator=g)
+    assert (lp - ref).min() > -math.log(2)
+    old = lp + 0.1 * torch.randn(3, 4, generator=g)
+    mask = torch.rand(3, 4, generator=g) < 0.8
+    N, c = mask.sum(), 0.3
+    x = (lp - ref).double()
+    dk = {"k1": torch.ones_like(x), "k2": x, "k3": 1 - torch.exp(-x), "abs": torch.sign(x)}[estimator]
+    k = {"k1": x, "k2": x**2 / 2, "k3": torch.exp(-x) - 1 + x, "abs": x.abs()}[estimator]
+    rho = torch.exp((lp - old).double())
+    expected = {
+        "estimator": c * dk / N,
+        "straight-through": c * x / N,
+        "bias-corrected": c * (dk * rho + k * rho) / N,
+    }
+    for form, want in expected.items():
+        got = _kl_term_grad(lp, old, ref, mask, c, kl_estimator=estimator, kl_gradient=form)
+        torch.testing.assert_close(got.double(), torch.where(mask, want, 0.0), rtol=1e-5, atol=1e-7, msg=form)
+
+
+def test_grpo_bias_corrected_kl_value_is_k3_times_ratio():
+    lp = torch.tensor([[-1.0, -2.0]]); old = torch.tensor([[-1.5, -2.0]]); ref = torch.tensor([[-1.2, -1.5]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    _, m = grpo_loss(lp, old, torch.zeros(1), mask, ref, kl_coef=1.0, kl_gradient="bias-corrected")
+    x = torch.tensor([0.2, -0.5])  # ref / pi <= 2: k3 as written
+    k3 = torch.exp(-x) - 1 + x
+    expected = (k3 * torch.exp(torch.tensor([0.5, 0.0]))).mean()
+    assert m["kl"].item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_grpo_kl_gradient_at_extremes_is_within_2x_of_verl_low_var_kl():
+    # 256 tokens near the reference (|lp - ref| ~ 0.1) and 3 tokens 3, 5.5 and 8 nats
+    # below it; coefficient 0.04, token-mean. verl's low_var_kl clamps k3 at 10, so those
+    # three get no gradient there; unbounded k3 would give them ~3000 (a norm 1,500x
+    # verl's); the bounded k3 gives each at most 1.
+    g = torch.Generator().manual_seed(0)
+    ref = -torch.rand(1, 256, generator=g) * 2
+    lp = ref + 0.1 * torch.randn(1, 256, generator=g)
+    lp[0, [10, 100, 200]] = ref[0, [10, 100, 200]] - torch.tensor([3.0, 5.5, 8.0])
+    mask = torch.ones(1, 256, dtype=torch.bool)
+    ours = _kl_term_grad(lp, lp, ref, mask, 0.04)
+    x = lp.clone().requires_grad_()
+    (0.04 * verl_low_var_kl_ref(x, ref).mean()).backward()
+    ratio = ours.norm() / x.grad.norm()
+    assert 0.5 <= ratio <= 2.0, ratio
+    assert torch.all(ours[0, [10, 100, 200]] != 0)  # no cliff: the drifted tokens keep a gradient
+    # where verl does not clamp (|lp - ref| small), the two agree exactly
+    near = torch.ones(256, dtype=torch.bool); near[[10, 100, 200]] = False
+    torch.testing.assert_close(ours[0, near], x.grad[0, near], rtol=1e-5, atol=1e-9)
+
+
+def test_grpo_kl_bad_inputs():
+    lp, old, adv, mask = _data(2, 3)
+    with pytest.raises(InvalidArgumentError, match="grpo_loss: kl_gradient is 'k2'; expected one of 'estimator'"):
+        grpo_loss(lp, old, adv, mask, old, kl_coef=0.1, kl_gradient="k2")
+
+
+# --- SAPO -------------------------------------------------------------------------------
+
+def test_sapo_hand_derived():
+    # r = e^0.5 with A = 2 (tau_pos = 1): gate = 4 sigmoid(r - 1); r = 1 with A = -1
+    # (tau_neg = 1.05): gate = (4 / 1.05) / 2. Gradient: -A * 4 s (1 - s) * r / N.
+    lp = torch.tensor([[0.5, 0.0]]); old = torch.zeros(1, 2)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, grad, m = _grad(sapo_loss, lp, old, torch.tensor([[2.0, -1.0]]), mask)
+    r = math.exp(0.5); s = 1 / (1 + math.exp(-(r - 1)))
+    assert loss.item() == pytest.approx((-2 * 4 * s + (4 / 1.05) / 2) / 2, rel=1e-6)
+    assert grad[0, 0].item() == pytest.approx(-2 * 4 * s * (1 - s) * r / 2, rel=1e-5)
+    assert grad[0, 1].item() == pytest.approx(1 * 1.0 / 2, rel=1e-5)
+    assert m["gate_weight_mean"].item() == pytest.approx((4 * s * (1 - s) + 1) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sapo_matches_reference(seed):
+    lp, old, adv, mask = _data(5, 7, seed=seed, spread=0.5, token_adv=seed % 2 == 0)
+    loss, _ = sapo_loss(lp, old, adv, mask, tau_pos=0.7, tau_neg=1.3)
+    want = sapo_per_token_ref(lp, old, adv, mask, 0.7, 1.3).sum() / max(int(mask.sum()), 1)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
+
+
+def test_sapo_passes_the_policy_loss_checks():
+    check_policy_loss(sapo_loss, max_examples=10)
+
+
+def test_sapo_bad_inputs():
+    lp, old, adv, mask = _data(2, 3)
+    with pytest.raises(InvalidArgumentError, match="sapo_loss: tau_neg must be > 0, got 0"):
+        sapo_loss(lp, old, adv, mask, tau_neg=0)
+    with pytest.raises(ShapeError, match=r"sapo_loss: advantages has shape \(3,\)"):
+        sapo_loss(lp, old, torch.zeros(3), mask)
+
+
+# --- GMPO -------------------------------------------------------------------------------
+
+def test_gmpo_hand_derived_sign_aware_clip():
+    # Row 0, A = 1: log-ratios 0.5 -> 0.4 (clipped above), -0.9 (kept: A > 0 clips above
+    # only); ratio exp(-0.25). Row 1, A = -2: 0.5 kept, -0.9 -> -0.4; ratio exp(0.05).
+    lp = torch.tensor([[0.5, -0.9], [0.5, -0.9]]); old = torch.zeros(2, 2)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    loss, grad, m = _grad(gmpo_loss, lp, old, torch.tensor([1.0, -2.0]), mask)
+    r0, r1 = math.exp(-0.25), math.exp(0.05)
+    assert loss.item() == pytest.approx((-r0 + 2 * r1) / 2, rel=1e-6)
+    # d/d lp: -A_b * ratio_b / n_b / S where unclipped, 0 where clipped
+    expected = torch.tensor([[0.0, -r0 / 4], [2 * r1 / 4, 0.0]])
+    torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-8)
+    assert m["clip_frac_high"].item() == pytest.approx(0.25) and m["clip_frac_low"].item() == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gmpo_matches_reference(seed):
+    lp, old, adv, mask = _data(5, 7, seed=seed, spread=0.5, token_adv=seed % 2 == 1)
+    mask[0] = False
+    loss, _ = gmpo_loss(lp, old, adv, mask, clip_low=0.3, clip_high=0.2)
+    assert loss.item() == pytest.approx(gmpo_loss_ref(lp, old, adv, mask, 0.3, 0.2), rel=1e-5, abs=1e-6)
+
+
+def test_gmpo_passes_the_policy_loss_checks():
+    check_policy_loss(gmpo_loss, aggregation="seq-mean-token-mean", advantage_level="sequence", max_examples=10)
+
+
+def test_gmpo_bad_inputs():
+    lp, old, adv, mask = _data(2, 3)
+    with pytest.raises(InvalidArgumentError, match="gmpo_loss: clip_low must be >= 0, got -0.1"):
+        gmpo_loss(lp, old, adv, mask, clip_low=-0.1)
+
+
+# --- Clip-Cov and KL-Cov ----------------------------------------------------------------
+
+def test_clip_cov_detaches_the_drawn_tokens_only():
+    # cov = A * (lp + 4) = [6, 1, 1, 6] (means 0 and -4); band (0.5, 7), k = floor(0.5 * 4)
+    # = 2 of the 4 candidates are drawn: their gradient is 0, the others keep -A / N.
+    lp = torch.tensor([[-1.0, -3.0, -5.0, -7.0]]); A = torch.tensor([[2.0, 1.0, -1.0, -2.0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    seen = set()
+    for seed in range(12):
+        gen = torch.Generator().manual_seed(seed)
+        loss, grad, m = _grad(clip_cov_loss, lp, lp, A, mask, select_frac=0.5, cov_low=0.5, cov_high=7.0,
+                              generator=gen)
+        detached = grad[0] == 0
+        assert int(detached.sum()) == 2 and m["cov_clip_frac"].item() == 0.5
+        torch.testing.assert_close(grad[0][~detached], (-A[0] / 4)[~detached])
+        assert loss.item() == pytest.approx(-(2 + 1 - 1 - 2) / 4, abs=1e-7)  # the value is kept
+        seen.add(tuple(detached.tolist()))
+        # the same generator state draws the same tokens
+        _, grad2, _ = _grad(clip_cov_loss, lp, lp, A, mask, select_frac=0.5, cov_low=0.5, cov_high=7.0,
+                            generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(grad2, grad)
+    assert len(seen) > 1  # the draw is random
+
+
+def test_clip_cov_skips_tokens_ppo_already_clipped_and_outside_the_band():
+    # Token 0: ratio e^1 with A > 0, clipped by PPO; token 3: cov 6 outside (0.5, 5).
+    lp = torch.tensor([[-1.0, -3.0, -5.0, -7.0]]); old = lp.clone(); old[0, 0] -= 1.0
+    A = torch.tensor([[2.0, 1.0, -1.0, -2.0]]); mask = torch.ones(1, 4, dtype=torch.bool)
+    _, grad, m = _grad(clip_cov_loss, lp, old, A, mask, select_frac=1.0, cov_low=0.5, cov_high=5.0)
+    assert m["cov_clip_frac"].item() == 0.5  # tokens 1 and 2 (cov 1)
+    assert grad[0, 1] == 0 and grad[0, 2] == 0 and grad[0, 3] != 0
+
+
+def test_clip_cov_passes_the_policy_loss_checks_outside_its_band():
+    check_policy_loss(lambda *a: clip_cov_loss(*a, cov_low=1e6, cov_high=2e6), max_examples=10)
+
+
+def test_kl_cov_hand_derived_and_reference():
+    lp = torch.tensor([[-1.0, -2.0]]); old = torch.tensor([[-1.5, -2.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, grad, m = _grad(kl_cov_loss, lp, old, torch.tensor([[1.0, -1.0]]), mask, select_frac=0.5)
+    # token 0 (cov 0.5, first of the tie) penalized: d/dlp (-e^x + |x|) = -e^0.5 + 1; token 1: +1
+    torch.testing.assert_close(grad, torch.tensor([[(-math.exp(0.5) + 1) / 2, 0.5]]))
+    assert m["kl_cov_frac"].item() == 0.5 and m["kl_abs"].item() == pytest.approx(0.25)
+    for seed in range(4):
+        lp, old, adv, mask = _data(6, 8, seed=seed, spread=0.5, token_adv=seed % 2 == 0)
+        loss, _ = kl_cov_loss(lp, old, adv, mask, select_frac=0.1, kl_coef=0.7)
+        assert loss.item() == pytest.approx(kl_cov_loss_ref(lp, old, adv, mask, 0.1, 0.7), rel=1e-5, abs=1e-6)
+
+
+def test_kl_cov_passes_the_policy_loss_checks():
+    check_policy_loss(lambda *a: kl_cov_loss(*a, select_frac=0.2), max_examples=10)
+
+
+def test_cov_losses_bad_inputs():
+    lp, old, adv, mask = _data(2, 3)
+    with pytest.raises(InvalidArgumentError, match="clip_cov_loss: select_frac must be in \\(0, 1\\], got 0"):
+        clip_cov_loss(lp, old, adv, mask, select_frac=0)
+    with pytest.raises(InvalidArgumentError, match="clip_cov_loss: cov_low must be < cov_high"):
+        clip_cov_loss(lp, old, adv, mask, cov_low=5.0, cov_high=1.0)
+    with pytest.raises(InvalidArgumentError, match="kl_cov_loss: kl_coef must be >= 0, got -1"):
+        kl_cov_loss(lp, old, adv, mask, kl_coef=-1)
+    with pytest.raises(ShapeError, match=r"kl_cov_loss: old_log_probs has shape \(2, 2\)"):
+        kl_cov_loss(lp, old[:, :2], adv, mask)
+
+
+def test_new_losses_compile_fullgraph_and_match_eager():
+    import torch._dynamo
+    torch._dynamo.reset()
+    lp, old, adv, mask = _data(4, 6, seed=13)
+    calls = {
+        "sapo": lambda x: sapo_loss(x, old, adv, mask),
+        "gmpo": lambda x: gmpo_loss(x, old, adv, mask),
+        "kl_cov": lambda x: kl_cov_loss(x, old, adv, mask, select_frac=0.2),
+        "grpo_bc": lambda x: grpo_loss(x, old, adv, mask, old - 0.1, kl_coef=0.1, kl_gradient="bias-corrected"),
+    }
+    for name, call in calls.items():
+        compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+        x1, x2 = lp.clone().requires_grad_(), lp.clone().requires_grad_()
+        (out1, m1), (out2, m2) = call(x1), compiled(x2)
+        out1.backward(); out2.backward()
+        torch.testing.assert_close(out2, out1, msg=name)
+        torch.testing.assert_close(x2.grad, x1.grad, msg=name)
+        for key in m1:
+            torch.testing.assert_close(m2[key], m1[key], msg=f"{name} {key}")

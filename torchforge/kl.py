@@ -20,6 +20,7 @@ from torchforge.errors import (
     ShapeError,
     check_choice,
     check_float,
+    check_non_negative,
     check_positive,
     check_same_shape,
     check_tensor,
@@ -27,9 +28,27 @@ from torchforge.errors import (
 )
 from torchforge.log_probs import _check_temperature, _chunk_rows, _row_chunks
 
-__all__ = ["approx_kl", "exact_kl", "KL_ESTIMATORS"]
+__all__ = ["KL_ESTIMATORS", "KL_GRADIENTS", "adaptive_kl_coef", "approx_kl", "exact_kl"]
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+
+KL_GRADIENTS = ("estimator", "straight-through", "bias-corrected")
+
+
+def _k3(log_ratio: torch.Tensor, max_ratio: float) -> torch.Tensor:
+    """``k3 = r - 1 - log r`` with ``r = ref / pi = exp(-log_ratio)``, r continued along
+    its tangent beyond ``max_ratio``: ``r = max_ratio * (1 + log r - log max_ratio)`` there.
+
+    Value and gradient are continuous; ``|d k3 / d log_ratio| = |1 - r'| <= max(1,
+    max_ratio - 1)`` everywhere; exactly Schulman's k3 wherever ``r <= max_ratio``.
+    """
+    log_r = -log_ratio
+    log_max = math.log(max_ratio)
+    # r - 1 = expm1(c) + exp(c) * d with c = min(log r, log max_ratio), d = the excess;
+    # expm1 keeps k3 exact near 0, where r - 1 and log r cancel.
+    r_minus_1 = torch.expm1(log_r.clamp(max=log_max))
+    excess = torch.relu(log_r - log_max)  # relu: at the knee only the exp branch passes gradient
+    return r_minus_1 + (r_minus_1 + 1) * excess - log_r
 
 
 @batch_args
@@ -37,44 +56,59 @@ def approx_kl(
     log_probs: torch.Tensor,
     ref_log_probs: torch.Tensor,
     weights: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
     *,
     estimator: str = "k3",
-    straight_through: bool = False,
+    gradient: str = "estimator",
+    max_ratio: float = 2.0,
     max_log_ratio: float = 20.0,
 ) -> torch.Tensor:
     """Per-token sample estimate of KL(pi || ref) from the log-probs of sampled tokens.
 
-    With ``log_ratio = clamp(log_probs - ref_log_probs, -max_log_ratio, max_log_ratio)``
-    (``log pi(y) - log ref(y)`` for a token ``y ~ pi``):
+    With ``log_ratio = log_probs - ref_log_probs`` (``log pi(y) - log ref(y)`` for a token
+    ``y ~ pi``) and ``r = ref / pi = exp(-log_ratio)``:
 
     - ``k1 = log_ratio``: unbiased, high variance, can be negative.
     - ``k2 = log_ratio**2 / 2``: biased (``E[k2] != KL`` unless pi = ref), low variance,
       >= 0.
-    - ``k3 = exp(-log_ratio) - 1 + log_ratio``: unbiased, low variance, >= 0 (Schulman's
-      estimator; ``E_pi[exp(-log_ratio)] = sum_y ref(y) = 1`` makes the extra term
-      mean-zero).
+    - ``k3 = r - 1 - log r``: unbiased, low variance, >= 0 (Schulman's estimator;
+      ``E_pi[r] = sum_y ref(y) = 1`` makes the extra term mean-zero). Where ``r >
+      max_ratio`` (pi more than ``max_ratio`` times below ref) ``r`` continues along its
+      tangent, ``r = max_ratio * (1 + log r - log max_ratio)``; see the Note.
     - ``abs = |log_ratio|``: biased, >= 0.
 
     ``kl = weights * k`` with the ``weights`` detached: for tokens sampled from an older
     policy ``pi_old``, passing ``weights = pi / pi_old`` makes ``E_pi_old[weights * k]``
     equal ``E_pi[k]``.
 
-    Gradients. Used as a loss on on-policy samples, the estimators do not all give the
-    gradient of KL(pi || ref): ``E_pi[grad k1] = 0``; ``E_pi[grad k2] = grad KL(pi || ref)``
-    (the unbiased gradient); ``E_pi[grad k3] = grad KL(ref || pi)``, the other direction.
-    ``straight_through=True`` returns the value of the chosen estimator with the gradient
-    of k2: ``kl = k.detach() + (k2 - k2.detach())`` (the bracket is exactly 0, so the
-    value is exactly ``k``).
+    Gradient (``gradient=``). Used as a loss on samples of pi, the estimators do not all
+    give the gradient of KL(pi || ref) (Tang and Munos):
+
+    - ``"estimator"``: differentiate ``k`` as written. ``E_pi[grad k1] = 0``;
+      ``E_pi[grad k2] = grad KL(pi || ref)``; ``E_pi[grad k3] = grad KL(ref || pi)``, the
+      other direction (DeepSeekMath's GRPO, TRL's default, verl's ``low_var_kl``).
+    - ``"straight-through"``: the value of ``k``, the gradient of k2:
+      ``kl = k.detach() + (k2 - k2.detach())`` (the bracket is exactly 0), so
+      ``E_pi[grad] = grad KL(pi || ref)`` (verl's ``"k3+"`` for k3).
+    - ``"bias-corrected"``: ``kl = k * rho`` with ``rho = pi / pi_old = exp(log_probs -
+      old_log_probs)`` *with* its gradient (the log-ratio clamped at ``max_log_ratio``);
+      on-policy (``rho = 1``) its gradient is ``grad k + k grad log pi``, whose mean is
+      ``grad E_pi[k]`` = ``grad KL(pi || ref)`` for k1 and k3 (TRL's
+      ``use_bias_correction_kl=True``, DeepSeek-V3.2). Needs ``old_log_probs``.
 
     Args:
         log_probs: [B, T] float log pi of the sampled tokens (any shape is accepted;
             the output has the same one).
         ref_log_probs: [B, T] float log ref of the same tokens.
         weights: optional [B, T] float importance weights; detached.
-        estimator: one of ``"k1"``, ``"k2"``, ``"k3"``, ``"abs"``.
-        straight_through: value of ``estimator``, gradient of k2.
-        max_log_ratio: clamp on ``|log_ratio|`` so that ``exp`` never overflows (must
-            be > 0; ``float("inf")`` disables it). Clamped positions get zero gradient.
+        old_log_probs: [B, T] float log pi_old of the same tokens; read only by
+            ``gradient="bias-corrected"``.
+        estimator: one of ``KL_ESTIMATORS``: ``"k1"``, ``"k2"``, ``"k3"``, ``"abs"``.
+        gradient: one of ``KL_GRADIENTS``: ``"estimator"``, ``"straight-through"``,
+            ``"bias-corrected"``.
+        max_ratio: ``r = ref / pi`` beyond which k3 continues along its tangent; > 1.
+        max_log_ratio: clamp on ``log_probs - old_log_probs`` inside ``rho`` (as
+            :func:`~torchforge.losses.policy_ratio`); > 0.
 
     Returns:
         [B, T] float32 per-token estimates (reduce them with ``aggregate``).
@@ -87,18 +121,32 @@ def approx_kl(
         >>> # log_ratio = log 2: k3 = 1/2 - 1 + log 2
         >>> approx_kl(torch.log(torch.tensor([0.5])), torch.log(torch.tensor([0.25])))
         tensor([0.1931])
+        >>> # 19 nats below ref: r = 2 (1 + 19 - log 2), k3 = r - 1 - 19; gradient -1
+        >>> x = torch.tensor([-19.0], requires_grad=True)
+        >>> kl = approx_kl(x, torch.zeros(1)); kl.backward()
+        >>> kl.detach(), x.grad
+        (tensor([18.6137]), tensor([-1.]))
 
     References:
         J. Schulman, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html;
         k3 as the GRPO KL term: DeepSeekMath, https://arxiv.org/abs/2402.03300;
         the gradients of the estimators: Y. Tang and R. Munos, "On a few pitfalls in KL
-        divergence gradient estimation for RL", https://arxiv.org/abs/2506.09477
+        divergence gradient estimation for RL", https://arxiv.org/abs/2506.09477;
+        the bias-corrected form: DeepSeek-V3.2, https://arxiv.org/abs/2512.02556
 
     Note:
-        The log-ratio is clamped for every estimator (k1 and k2 included), so all four
-        see the same ratio; verl clamps it at +-20 for k3 only and then clamps k3 at
-        +-10, which we do not. The straight-through option is verl's ``"k3+"``-style
-        ``kl_loss_type``, available here for every estimator.
+        Extremes. k1, k2 and abs need no exponential and are exact at any log-ratio,
+        value and gradient. k3 holds ``exp(-log_ratio)``: a token 19 nats below the
+        reference would give a value and a gradient of 1.8e8. verl clamps ``-log_ratio``
+        at +-20 and then k3 at +-10 (so a token more than about 2.5 nats below the
+        reference gets no gradient at all); OpenRLHF clamps the log-ratio at +-10 (a
+        gradient of up to 2.2e4, then none). Here ``r`` continues along its tangent
+        beyond ``max_ratio``: value and gradient stay continuous, the gradient never
+        drops to 0 and is bounded by ``max(1, max_ratio - 1)`` in magnitude. With the
+        default ``max_ratio = 2`` that bound is 1 on both sides, the bound k3 has by
+        itself where pi > ref; k3 is exact wherever pi >= ref / 2, and grows like
+        ``|log_ratio|`` (as abs does) beyond. The straight-through form carries the same
+        bounded value and the gradient of k2, ``log_ratio``.
     """
     fn = "approx_kl"
     check_tensor(fn, "log_probs", log_probs)
@@ -109,23 +157,104 @@ def approx_kl(
         check_same_shape(fn, "weights", weights, "log_probs", log_probs)
         check_float(fn, "weights", weights)
     check_choice(fn, "estimator", estimator, KL_ESTIMATORS)
+    check_choice(fn, "gradient", gradient, KL_GRADIENTS)
+    if not max_ratio > 1:
+        raise InvalidArgumentError(f"{fn}: max_ratio must be > 1 (a bound on ref / pi), got {max_ratio}")
     check_positive(fn, "max_log_ratio", max_log_ratio)
+    if gradient == "bias-corrected":
+        if old_log_probs is None:
+            raise InvalidArgumentError(
+                f"{fn}: gradient='bias-corrected' needs old_log_probs (log pi_old of the "
+                "same tokens) for the ratio pi / pi_old; pass them, or another gradient"
+            )
+        check_same_shape(fn, "old_log_probs", old_log_probs, "log_probs", log_probs)
+        check_float(fn, "old_log_probs", old_log_probs)
 
-    log_ratio = (log_probs.float() - ref_log_probs.float()).clamp(-max_log_ratio, max_log_ratio)
+    log_ratio = log_probs.float() - ref_log_probs.float()
     k2 = 0.5 * log_ratio**2
     if estimator == "k1":
         kl = log_ratio
     elif estimator == "k2":
         kl = k2
     elif estimator == "k3":
-        kl = torch.expm1(-log_ratio) + log_ratio
+        kl = _k3(log_ratio, max_ratio)
     else:
         kl = log_ratio.abs()
-    if straight_through:
+    if gradient == "straight-through":
         kl = kl.detach() + (k2 - k2.detach())
+    elif gradient == "bias-corrected":
+        rho = torch.exp((log_probs.float() - old_log_probs.detach().float()).clamp(-max_log_ratio, max_log_ratio))
+        kl = kl * rho
     if weights is not None:
         kl = weights.detach().float() * kl
     return kl
+
+
+def adaptive_kl_coef(
+    kl_coef: float | torch.Tensor,
+    observed_kl: float | torch.Tensor,
+    *,
+    target: float,
+    horizon: float,
+    num_steps: int,
+) -> float | torch.Tensor:
+    """The adaptive KL controller of Ziegler et al.: the next KL coefficient.
+
+    ``error = clip(observed_kl / target - 1, -0.2, 0.2)``,
+    ``kl_coef_next = kl_coef * (1 + error * num_steps / horizon)``: the coefficient grows
+    while the observed KL is above the target and shrinks while it is below, by at most
+    ``0.2 * num_steps / horizon`` per update.
+
+    Args:
+        kl_coef: the current coefficient (beta); >= 0.
+        observed_kl: the KL measured over the last ``num_steps`` steps (a number, or a
+            scalar tensor: then the result is a tensor too and nothing syncs).
+        target: the KL to hold; > 0.
+        horizon: the number of steps over which a 20% error changes the coefficient by
+            20%; > 0.
+        num_steps: steps (or samples, as in the paper) since the last update; >= 0.
+
+    Returns:
+        The next coefficient: a float, or a float32 scalar tensor when ``kl_coef`` or
+        ``observed_kl`` is a tensor.
+
+    Example:
+        >>> adaptive_kl_coef(0.1, 0.2, target=0.1, horizon=10_000, num_steps=1000)  # 0.1 * (1 + 0.2 * 0.1)
+        0.10200000000000001
+        >>> adaptive_kl_coef(0.1, 0.05, target=0.1, horizon=10_000, num_steps=1000)  # error -0.2
+        0.098
+
+    References:
+        D. Ziegler et al., "Fine-Tuning Language Models from Human Preferences",
+        https://arxiv.org/abs/1909.08593 (section 2.2)
+
+    Note:
+        A pure function: the caller keeps the coefficient (TRL's and verl's
+        ``AdaptiveKLController`` hold it as state and apply the same update).
+    """
+    fn = "adaptive_kl_coef"
+    check_positive(fn, "target", target)
+    check_positive(fn, "horizon", horizon)
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+        raise InvalidArgumentError(f"{fn}: num_steps must be an int >= 0, got {num_steps!r}")
+    for name, value in (("kl_coef", kl_coef), ("observed_kl", observed_kl)):
+        if isinstance(value, torch.Tensor):
+            if value.dim() != 0 or not value.is_floating_point():
+                raise ShapeError(
+                    f"{fn}: {name} must be a float scalar tensor, got shape {shape_str(value)} "
+                    f"and dtype {value.dtype}"
+                )
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidArgumentError(f"{fn}: {name} must be a number or a scalar tensor, got {type(value).__name__}")
+        elif not math.isfinite(value):
+            raise InvalidArgumentError(f"{fn}: {name} must be finite, got {value}")
+    if not isinstance(kl_coef, torch.Tensor):
+        check_non_negative(fn, "kl_coef", kl_coef)
+    if isinstance(kl_coef, torch.Tensor) or isinstance(observed_kl, torch.Tensor):
+        error = torch.clamp(torch.as_tensor(observed_kl, dtype=torch.float32) / target - 1, -0.2, 0.2)
+        return torch.as_tensor(kl_coef, dtype=torch.float32) * (1 + error * num_steps / horizon)
+    error = min(max(observed_kl / target - 1, -0.2), 0.2)
+    return kl_coef * (1 + error * num_steps / horizon)
 
 
 def _log_softmax(x: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:

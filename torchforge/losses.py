@@ -2,8 +2,11 @@
 
 Every loss returns ``(loss, metrics)``: a float32 scalar, and a dict of detached float32
 scalar tensors (no ``.item()``, so the losses compile with ``torch.compile(fullgraph=True)``
-and never force a device sync). Metrics are masked means over *this* call's counted tokens,
-for logging; the loss itself is reduced by the ``aggregation`` argument.
+and never force a device sync). The loss is reduced by the ``aggregation`` argument;
+the metrics are reduced over *this* call's counted tokens by the same reducer
+(:mod:`torchforge.reduce`): masked means, except ``ratio_max`` (a masked max) and
+``ratio_min`` (a masked min), which must be combined over micro-batches and ranks with a
+max / min, not a mean.
 
 ``aggregation`` is the same in every loss: a mode name (``"token-mean"``,
 ``"seq-mean-token-mean"``, ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``) or an
@@ -12,13 +15,12 @@ data-parallel size; see :func:`~torchforge.reduce.aggregate` for what each mode 
 how the counts make the loss exact across micro-batches and ranks.
 
 Numerics: float32 maths whatever the input dtype; positions where ``mask`` is False never
-reach the loss, the metrics or the gradient (a NaN there does not leak); an empty mask
-gives a loss of 0 with zero gradient and finite metrics.
+reach the loss, the metrics or the gradient (a NaN there does not leak); an empty mask,
+or a batch with no rows or no tokens (B = 0, T = 0), gives a loss of 0 with zero gradient
+and finite metrics.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -35,17 +37,27 @@ from torchforge.errors import (
     check_tensor,
     shape_str,
 )
-from torchforge.kl import KL_ESTIMATORS, approx_kl
-from torchforge.reduce import AGGREGATION_MODES, Aggregation
+from torchforge.kl import KL_ESTIMATORS, KL_GRADIENTS, approx_kl
+from torchforge.reduce import (
+    Aggregation,
+    masked_max,
+    masked_mean,
+    masked_min,
+    masked_sum,
+)
 
 __all__ = [
+    "RATIO_LEVELS",
+    "cispo_loss",
+    "clip_cov_loss",
+    "gmpo_loss",
+    "grpo_loss",
+    "kl_cov_loss",
     "policy_ratio",
     "ppo_loss",
-    "grpo_loss",
     "reinforce_loss",
-    "cispo_loss",
+    "sapo_loss",
     "value_loss",
-    "RATIO_LEVELS",
 ]
 
 RATIO_LEVELS = ("token", "sequence")
@@ -63,22 +75,24 @@ def _check_log_probs(fn: str, log_probs, mask, **others) -> None:
         check_float(fn, name, x)
 
 
-def _per_token(fn: str, name: str, x, ref: torch.Tensor) -> torch.Tensor:
-    """``x`` of shape [B] (returned as [B, 1], broadcast over T on purpose) or [B, T], float32."""
+def _per_token(fn: str, name: str, x, log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` of shape [B] (returned as [B, 1], broadcast over T on purpose) or [B, T]:
+    detached float32, 0 where nothing is counted (a NaN there must not reach a gradient:
+    ``0 * NaN`` is NaN, even behind a ``where``)."""
     check_tensor(fn, name, x)
     check_float(fn, name, x)
-    B, T = ref.shape
+    B, T = log_probs.shape
     if x.dim() == 1 and x.shape[0] == B:
-        return x.float().unsqueeze(-1)
-    if x.shape != ref.shape:
+        return torch.where(mask.any(-1), x.detach().float(), 0.0).unsqueeze(-1)
+    if x.shape != log_probs.shape:
         raise ShapeError(
-            f"{fn}: {name} has shape {shape_str(x)} but log_probs has shape {shape_str(ref)}; "
+            f"{fn}: {name} has shape {shape_str(x)} but log_probs has shape {shape_str(log_probs)}; "
             f"expected ({B},) or ({B}, {T})"
         )
-    return x.float()
+    return torch.where(mask, x.detach().float(), 0.0)
 
 
-def _check_clip(fn: str, clip_low, clip_high, dual_clip) -> float:
+def _check_clip(fn: str, clip_low, clip_high, dual_clip=None) -> float:
     """Validate the clip options; return ``clip_high`` (defaulting to ``clip_low``)."""
     if not 0 <= clip_low <= 1:
         raise InvalidArgumentError(f"{fn}: clip_low must be in [0, 1], got {clip_low}")
@@ -91,7 +105,15 @@ def _check_clip(fn: str, clip_low, clip_high, dual_clip) -> float:
     return clip_high
 
 
-def _safe_log_ratio(log_probs, old_log_probs, mask):
+def _aggregate(fn: str, per_token: torch.Tensor, mask: torch.Tensor, aggregation) -> torch.Tensor:
+    """``aggregate(per_token, mask, **aggregation)``, its errors naming the loss ``fn``."""
+    try:
+        return Aggregation.of(aggregation)(per_token, mask)
+    except (InvalidArgumentError, ShapeError) as error:
+        raise type(error)(str(error).replace("aggregate: ", f"{fn}: aggregation ", 1)) from None
+
+
+def _masked_log_ratio(log_probs, old_log_probs, mask) -> torch.Tensor:
     """``log_probs - old_log_probs`` in float32, exactly 0 where ``mask`` is False.
 
     ``torch.where`` (not a product with the mask) also zeroes the *gradient* there, so a
@@ -102,15 +124,10 @@ def _safe_log_ratio(log_probs, old_log_probs, mask):
 
 # --- ratios -----------------------------------------------------------------------------
 
-def _value_log_ratio(log_ratio, mask, level: str) -> torch.Tensor:
-    """The log of the ratio each token is weighed by, with the gradient of its log-prob.
-
-    token: ``log_ratio`` itself. sequence (GSPO-token): ``sg(l_b) + log_ratio -
-    sg(log_ratio)`` with ``l_b`` the masked mean log-ratio of row b: the value is ``l_b``
-    at every position; the gradient w.r.t. ``log_probs_bt`` is 1, as in the token case.
-    """
-    if level == "token":
-        return log_ratio
+def _sequence_log_ratio(log_ratio, mask) -> torch.Tensor:
+    """GSPO-token: ``sg(l_b) + log_ratio - sg(log_ratio)`` with ``l_b`` the masked mean
+    log-ratio of row b. The value is ``l_b`` at every position of row b; the gradient
+    w.r.t. ``log_probs_bt`` is 1, as in the token case."""
     lengths = mask.sum(-1, keepdim=True).clamp(min=1)
     seq_log_ratio = log_ratio.detach().sum(-1, keepdim=True) / lengths
     return seq_log_ratio + (log_ratio - log_ratio.detach())
@@ -164,237 +181,80 @@ def policy_ratio(
     References:
         PPO, https://arxiv.org/abs/1707.06347; GSPO (sequence ratio and GSPO-token),
         https://arxiv.org/abs/2507.18071
+
+    Note:
+        The clamp at ``max_log_ratio = 20`` is verl's; TRL does not clamp.
     """
     fn = "policy_ratio"
     _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
     check_choice(fn, "level", level, RATIO_LEVELS)
     check_positive(fn, "max_log_ratio", max_log_ratio)
-    value_log_ratio = _value_log_ratio(_safe_log_ratio(log_probs, old_log_probs, mask), mask, level)
-    return torch.exp(value_log_ratio.clamp(-max_log_ratio, max_log_ratio))
+    log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
+    if level == "sequence":
+        log_ratio = _sequence_log_ratio(log_ratio, mask)
+    return torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
 
 
-def _frac(flags: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    return (flags & mask).sum().float() / count
+def _ratio_metrics(log_ratio, ratio, mask, max_log_ratio: float) -> dict[str, torch.Tensor]:
+    """``approx_kl``, ``ratio_mean``, ``ratio_min``, ``ratio_max`` over the counted tokens.
+
+    ``approx_kl`` is the k3 estimate of KL(pi_old || pi) on tokens sampled from pi_old,
+    ``mean(exp(log_ratio) - 1 - log_ratio)``, from the *token* log-ratio whatever the
+    ratio the loss weighs by; the ratio statistics are those of ``ratio`` ([B, T] or [B, 1]).
+    """
+    token_lr = log_ratio.detach().clamp(-max_log_ratio, max_log_ratio)
+    ratio = ratio.detach().expand(mask.shape)
+    count = mask.sum().clamp(min=1)
+    return {
+        "approx_kl": masked_sum(torch.expm1(token_lr) - token_lr, mask) / count,
+        "ratio_mean": masked_sum(ratio, mask) / count,
+        "ratio_min": masked_min(ratio, mask),
+        "ratio_max": masked_max(ratio, mask),
+    }
+
+
+def _frac(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Fraction of the counted tokens where the bool ``flags`` ([B, T] or [B, 1]) hold."""
+    return masked_mean(flags.expand(mask.shape).float(), mask)
 
 
 # --- the PPO surrogate -----------------------------------------------------------------
 
-def _log_bounds(advantages, clip_low: float, clip_high: float, dual_clip, max_log_ratio: float):
-    """Per-token bounds on the log-ratio that make ``-A * exp(clamp(.))`` the PPO loss.
-
-    For ``A > 0``: ``max(-A r, -A clip(r)) = -A min(r, 1 + clip_high)``; for ``A < 0``:
-    ``= |A| max(r, 1 - clip_low)``, and the dual clip caps it at ``|A| c``, i.e. ``r <= c``.
-    Intersected with ``[-max_log_ratio, max_log_ratio]``.
-    """
-    m = max_log_ratio
-    low = max(math.log(1 - clip_low), -m) if clip_low < 1 else -m
-    high = min(math.log1p(clip_high), m)
-    cap = m if dual_clip is None else min(math.log(dual_clip), m)
-    negative = advantages < 0
-    log_lower = torch.where(negative, low, -m)
-    log_upper = torch.where(advantages > 0, high, torch.where(negative, cap, m))
-    return log_lower, log_upper
-
-
-class _ClippedSurrogate(torch.autograd.Function):
-    """Per-token PPO loss ``neg_scale * exp(clamp(value_log_ratio, log_lower, log_upper))``.
-
-    ``-neg_scale = A * weights * mask`` (exactly 0 at masked positions, so is the loss); the
-    PPO clip, the dual-clip cap and the ``max_log_ratio`` clamp are one clamp of the
-    log-ratio between per-token bounds (:func:`_log_bounds`). Where the clamp is inactive
-    the loss is ``neg_scale * ratio``, whose derivative w.r.t. ``log_probs`` is the loss
-    itself; where it is active the derivative is 0. The forward saves that derivative,
-    so the backward is one product: no ``where`` and no chain through maximum, clamp and
-    exp (the main saving in eager mode, where ``where`` is slow on CPU). The ``where``
-    that zeroes the log-ratio at masked positions runs outside autograd, so a NaN there
-    reaches neither the loss nor the gradient.
-
-    Returns ``(pg_loss, log_ratio, inactive, below)``, the last three without gradient,
-    for the metrics: the token log-ratio (0 where masked), and float 0/1 flags of "clamp
-    inactive" and "clamped from below".
-    """
-
-    @staticmethod
-    def forward(ctx, log_probs, old_log_probs, mask, lengths, neg_scale, log_lower, log_upper, sequence):
-        dtype = torch.promote_types(log_probs.dtype, torch.float32)  # float32, or float64 for gradcheck
-        log_ratio = torch.where(mask, log_probs.to(dtype) - old_log_probs.to(dtype), 0.0)
-        if sequence:  # GSPO: every token weighed by the row's mean log-ratio
-            value_log_ratio = log_ratio.sum(-1, keepdim=True) / lengths.clamp(min=1)
-        else:
-            value_log_ratio = log_ratio
-        clamped = torch.clamp(value_log_ratio, log_lower, log_upper)
-        pg_loss = neg_scale * torch.exp(clamped)
-        # 1.0 where the clamp is inactive, as float32 directly (bool tensors are slow on CPU).
-        shape = torch.broadcast_shapes(clamped.shape, pg_loss.shape)
-        inactive = torch.eq(clamped.expand(shape), value_log_ratio.expand(shape),
-                            out=torch.empty(shape, dtype=pg_loss.dtype, device=pg_loss.device))
-        below = torch.lt(value_log_ratio.expand(shape), log_lower.expand(shape),
-                         out=torch.empty(shape, dtype=pg_loss.dtype, device=pg_loss.device))
-        ctx.save_for_backward(pg_loss * inactive)
-        ctx.dtype = log_probs.dtype
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(log_ratio, inactive, below)
-        return pg_loss, log_ratio, inactive, below
-
-    @staticmethod
-    def backward(ctx, grad_pg_loss, *unused):
-        (d_pg_loss,) = ctx.saved_tensors
-        if grad_pg_loss is None:
-            return (None,) * 8
-        return (grad_pg_loss * d_pg_loss).to(ctx.dtype), None, None, None, None, None, None, None
-
-
-def _per_token_scale(fn, advantages, weights, mask, maskf, lengths, log_probs):
-    """``A * weights`` (detached, float32) and ``-A * weights * mask``, 0 wherever masked.
-
-    A [B] value of a row with no counted token is set to 0 first (a NaN there must not
-    leak); a [B, T] value is zeroed at masked positions with a ``where``.
-    """
-    signed = _per_token(fn, "advantages", advantages, log_probs).detach()
-    if weights is not None:
-        signed = signed * _per_token(fn, "weights", weights, log_probs).detach()
-    if signed.shape[-1] == 1:
-        signed = torch.where(lengths > 0, signed, 0.0)
-        return signed, -signed * maskf
-    signed = torch.where(mask, signed, 0.0)
-    return signed, -signed
-
-
-def _row_count(x: torch.Tensor, selector: torch.Tensor) -> torch.Tensor:
-    """``sum(x * selector)`` for [B, T] x and a [B, 1] or [B, T] 0/1 selector."""
-    if selector.shape[-1] == 1:
-        return (x.sum(-1, keepdim=True) * selector).sum()
-    return (x * selector).sum()
-
-
-def _ppo_terms(fn, log_probs, old_log_probs, advantages, mask, weights, clip_low, clip_high,
-               dual_clip, ratio_level, max_log_ratio):
-    """Per-token PPO loss [B, T] (0 at masked positions, weights applied), row lengths
-    [B, 1] and the metrics."""
+def _ppo_per_token(fn, log_probs, old_log_probs, advantages, mask, weights, *,
+                   clip_low, clip_high, dual_clip, ratio_level, max_log_ratio):
+    """The per-token loss of :func:`ppo_loss` (weights applied) and its metrics."""
     _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
     clip_high = _check_clip(fn, clip_low, clip_high, dual_clip)
     check_choice(fn, "ratio_level", ratio_level, RATIO_LEVELS)
     check_positive(fn, "max_log_ratio", max_log_ratio)
-    maskf = mask.float()
-    lengths = maskf.sum(-1, keepdim=True)  # exact: at most T per row
-    signed, neg_scale = _per_token_scale(fn, advantages, weights, mask, maskf, lengths, log_probs)
-    log_lower, log_upper = _log_bounds(signed, clip_low, clip_high, dual_clip, max_log_ratio)
-    if torch.compiler.is_compiling():
-        # Under torch.compile the plain autograd form is faster: the compiler fuses the
-        # where / compare / clamp chain, forward and backward, that the Function avoids.
-        log_ratio = _safe_log_ratio(log_probs, old_log_probs, mask)
-        value_log_ratio = _value_log_ratio(log_ratio, mask, ratio_level)
-        clamped = torch.clamp(value_log_ratio, log_lower, log_upper)
-        pg_loss = neg_scale * torch.exp(clamped)
-        log_ratio = log_ratio.detach()
-        inactive = (clamped == value_log_ratio).detach().float().expand_as(pg_loss)
-        below = (value_log_ratio < log_lower).detach().float().expand_as(pg_loss)
-    else:
-        pg_loss, log_ratio, inactive, below = _ClippedSurrogate.apply(
-            log_probs, old_log_probs.detach(), mask, lengths, neg_scale, log_lower, log_upper,
-            ratio_level == "sequence",
-        )
+    A = _per_token(fn, "advantages", advantages, log_probs, mask)
+
+    log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
+    weighing_log_ratio = _sequence_log_ratio(log_ratio, mask) if ratio_level == "sequence" else log_ratio
+    ratio = torch.exp(weighing_log_ratio.clamp(-max_log_ratio, max_log_ratio))
+    pg_loss1 = -A * ratio
+    pg_loss2 = -A * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    pg_loss = torch.maximum(pg_loss1, pg_loss2)
+    if dual_clip is not None:
+        pg_loss3 = -A * dual_clip
+        pg_loss = torch.where(A < 0, torch.minimum(pg_loss, pg_loss3), pg_loss)
+    if weights is not None:
+        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs, mask)
 
     with torch.no_grad():
-        count = lengths.long().sum()
-        denominator = count.clamp(min=1).float()
         # A token is clipped when the clip takes its gradient: ratio < 1 - clip_low with
-        # A < 0 (clamped from below), ratio > 1 + clip_high with A > 0 (from above); the
-        # dual clip: ratio > c with A < 0 (from above). At token level masked positions
-        # have log-ratio 0, inside every bound; at sequence level they are masked here.
-        clipped = 1 - inactive
-        if ratio_level == "sequence":
-            clipped, below = clipped * maskf, below * maskf
-        above = clipped - below
-        negative, positive = (signed < 0).float(), (signed > 0).float()
+        # A < 0, ratio > 1 + clip_high with A > 0; the dual clip: ratio > c with A < 0.
+        # (pg_loss2 > pg_loss1 is exactly "the clip is active"; False where masked.)
+        clipped = pg_loss2 > pg_loss1
         metrics = {
-            "clip_frac_low": _row_count(below, negative) / denominator,
-            "clip_frac_high": _row_count(above, positive) / denominator,
+            "clip_frac_low": _frac(clipped & (A < 0), mask),
+            "clip_frac_high": _frac(clipped & (A > 0), mask),
         }
         if dual_clip is not None:
-            metrics["dual_clip_frac"] = _row_count(above, negative) / denominator
-        metrics.update(_ratio_metrics(log_ratio, maskf, lengths, count, sequence=ratio_level == "sequence",
-                                      max_log_ratio=max_log_ratio))
-    return pg_loss, lengths, count, metrics
+            metrics["dual_clip_frac"] = _frac((ratio > dual_clip) & (A < 0), mask)
+        metrics.update(_ratio_metrics(log_ratio, ratio, mask, max_log_ratio))
+    return pg_loss, metrics
 
-
-def _ratio_metrics(log_ratio, maskf, lengths, count, *, sequence: bool, max_log_ratio: float):
-    """Masked ``ratio_mean`` / ``ratio_min`` / ``ratio_max`` and ``approx_kl``; 0 when empty.
-
-    ``log_ratio`` is the token log-ratio, 0 at masked positions, so sums over it need no
-    mask. ``approx_kl`` is the k3 estimate of KL(pi_old || pi) on tokens sampled from
-    pi_old, ``mean(exp(lr) - 1 - lr)``, from the token log-ratio whatever the level. Min
-    and max are taken on the log-ratio (exp is monotone), with masked positions filled
-    with the mean, which lies between them.
-    """
-    m = max_log_ratio
-    denominator = count.clamp(min=1).float()
-    nonempty = count > 0
-    token_lr = log_ratio.clamp(-m, m)
-    expm1_sum = (torch.exp(token_lr) - 1).sum()  # exp - 1 is 2-3x faster than expm1 on CPU
-    lr_sum = token_lr.sum()
-    if sequence:  # one value per row, counted n_b times
-        row_lr = (log_ratio.sum(-1, keepdim=True) / lengths.clamp(min=1)).clamp(-m, m)
-        ratio_sum = (torch.exp(row_lr) * lengths).sum()
-        mean = (row_lr * lengths).sum() / denominator
-        lr_min, lr_max = torch.aminmax(torch.where(lengths > 0, row_lr, mean))
-    else:
-        ratio_sum = expm1_sum + count
-        mean = lr_sum / denominator
-        # token_lr - mean * maskf is token_lr - mean where counted and 0 where masked;
-        # adding mean back puts the masked positions at the mean.
-        lr_min, lr_max = torch.aminmax(torch.addcmul(token_lr, maskf, -mean))
-        lr_min, lr_max = lr_min + mean, lr_max + mean
-    return {
-        "approx_kl": (expm1_sum - lr_sum) / denominator,
-        "ratio_mean": ratio_sum / denominator,
-        "ratio_min": torch.where(nonempty, torch.exp(lr_min), 0.0),
-        "ratio_max": torch.where(nonempty, torch.exp(lr_max), 0.0),
-    }
-
-
-def _aggregate_zeroed(fn: str, per_token: torch.Tensor, lengths, count, aggregation):
-    """``aggregate(per_token, mask, ...)`` for a ``per_token`` that is exactly 0 wherever
-    ``mask`` is False: the same modes, counts and ``dp_size`` rule, computed with plain
-    sums (no ``where`` forward or backward). The tests check it equals ``aggregate``.
-    """
-    agg = Aggregation.of(aggregation)
-    check_choice(fn, "aggregation mode", agg.mode, AGGREGATION_MODES)
-    if not (isinstance(agg.dp_size, int) and agg.dp_size >= 1):
-        raise InvalidArgumentError(f"{fn}: aggregation dp_size must be an int >= 1, got {agg.dp_size!r}")
-    for name, value in (("num_tokens", agg.num_tokens), ("num_sequences", agg.num_sequences)):
-        if value is not None and not isinstance(value, torch.Tensor):  # no device sync
-            check_non_negative(fn, f"aggregation {name}", value)
-    if agg.mode == "token-mean":
-        if agg.num_tokens is None and agg.dp_size > 1:
-            raise InvalidArgumentError(
-                f"{fn}: aggregation dp_size={agg.dp_size} needs num_tokens, the token count over "
-                "all ranks; without it the per-rank means do not average to the global mean"
-            )
-        count = count if agg.num_tokens is None else agg.num_tokens
-        return agg.dp_size * per_token.sum() / _clamp_count(count)
-    if agg.num_sequences is None and agg.dp_size > 1:
-        raise InvalidArgumentError(
-            f"{fn}: aggregation dp_size={agg.dp_size} with mode={agg.mode!r} needs num_sequences, "
-            "the count of sequences over all ranks"
-        )
-    count = (lengths > 0).sum() if agg.num_sequences is None else agg.num_sequences
-    if agg.mode == "seq-mean-token-mean":
-        total = (per_token.sum(-1, keepdim=True) / lengths.clamp(min=1)).sum()
-    elif agg.mode == "seq-mean-token-sum":
-        total = per_token.sum()
-    else:
-        length = per_token.shape[-1] if agg.norm_length is None else agg.norm_length
-        check_positive(fn, "aggregation norm_length", length)
-        total = per_token.sum() / length
-    return agg.dp_size * total / _clamp_count(count)
-
-
-def _clamp_count(count):
-    return count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
-
-
-# --- policy losses ----------------------------------------------------------------------
 
 @batch_args
 def ppo_loss(
@@ -413,19 +273,20 @@ def ppo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss, with clip-higher, dual-clip, GSPO ratios and IS weights.
 
-    With ``ratio = policy_ratio(log_probs, old_log_probs, mask, level=ratio_level)`` and
-    ``A = advantages``:
+    With ``log_ratio = log_probs - old_log_probs`` (0 where ``mask`` is False),
+    ``ratio = exp(clamp(log_ratio, -max_log_ratio, max_log_ratio))`` (GSPO: the row's
+    mean log-ratio, see :func:`policy_ratio`) and ``A = advantages``:
 
     ``pg_loss1 = -A * ratio``, ``pg_loss2 = -A * clamp(ratio, 1 - clip_low, 1 + clip_high)``,
     ``pg_loss = max(pg_loss1, pg_loss2)``; with ``dual_clip = c``:
     ``pg_loss = min(pg_loss, -c * A)`` where ``A < 0`` (the loss of a negative-advantage
     token is capped at ``c * |A|`` however large its ratio grows). Then
-    ``loss = aggregation(weights * pg_loss, mask)``.
+    ``loss = aggregate(weights * pg_loss, mask)``.
 
     Args:
         log_probs: [B, T] float log pi of the sampled tokens (carries grad).
         old_log_probs: [B, T] float log pi_old (detached).
-        advantages: [B] (one per sequence, broadcast over T) or [B, T] float.
+        advantages: [B] (one per sequence, broadcast over T) or [B, T] float; detached.
         mask: [B, T] bool, True = the token counts.
         weights: optional [B] or [B, T] float per-token weights >= 0 (e.g. truncated
             importance weights from :mod:`torchforge.corrections`); detached.
@@ -438,12 +299,14 @@ def ppo_loss(
         aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
 
     Returns:
-        ``(loss, metrics)``: float32 scalar, and detached float32 scalars (masked, local):
-        ``clip_frac_low`` (ratio < 1 - clip_low and A < 0), ``clip_frac_high`` (ratio >
-        1 + clip_high and A > 0) — the tokens the clip takes the gradient from;
-        ``dual_clip_frac`` (ratio > c and A < 0, when ``dual_clip`` is set); ``approx_kl``,
-        the k3 estimate of KL(pi_old || pi) from the token log-ratio, ``mean(ratio - 1 -
-        log_ratio)``; ``ratio_mean``, ``ratio_min``, ``ratio_max`` (0 on an empty mask).
+        ``(loss, metrics)``: float32 scalar, and detached float32 scalars over this
+        call's counted tokens: ``clip_frac_low`` (ratio < 1 - clip_low and A < 0), ``clip_frac_high``
+        (ratio > 1 + clip_high and A > 0): the fractions of counted tokens whose gradient
+        the clip takes; ``dual_clip_frac`` (ratio > c and A < 0, when ``dual_clip`` is
+        set); ``approx_kl``, the k3 estimate of KL(pi_old || pi) from the token
+        log-ratio, ``mean(ratio - 1 - log_ratio)``; ``ratio_mean``; ``ratio_min`` and
+        ``ratio_max`` (a masked min / max: combine them over micro-batches and ranks with
+        min / max). All 0 on an empty mask.
 
     Example:
         >>> import torch
@@ -474,18 +337,15 @@ def ppo_loss(
         ``clip_high`` is the *offset* above 1 (TRL's ``epsilon_high``, verl's
         ``clip_ratio_high``). The log-ratio is clamped at ``max_log_ratio`` before ``exp``
         (verl clamps at 20 too; TRL does not); a clamped token gets zero gradient.
-        Implementation: the clip, the dual-clip cap and that clamp are one clamp of the
-        log-ratio between per-token bounds, ``pg_loss = -A * exp(clamp(log_ratio, lower,
-        upper))``, with a hand-written backward (gradient ``pg_loss`` where the clamp is
-        inactive, 0 where it is active); the reference tests check it against the
-        textbook ``max(pg_loss1, pg_loss2)``. Metrics are local masked means for
-        logging; all-reduce them yourself across ranks if needed.
+        Metrics are local to this call; the trainer combines them over micro-batches and
+        ranks (means weighted by tokens, ``ratio_max`` / ``ratio_min`` by max / min).
     """
-    pg_loss, lengths, count, metrics = _ppo_terms(
-        "ppo_loss", log_probs, old_log_probs, advantages, mask, weights,
-        clip_low, clip_high, dual_clip, ratio_level, max_log_ratio,
+    fn = "ppo_loss"
+    pg_loss, metrics = _ppo_per_token(
+        fn, log_probs, old_log_probs, advantages, mask, weights, clip_low=clip_low,
+        clip_high=clip_high, dual_clip=dual_clip, ratio_level=ratio_level, max_log_ratio=max_log_ratio,
     )
-    return _aggregate_zeroed("ppo_loss", pg_loss, lengths, count, aggregation), metrics
+    return _aggregate(fn, pg_loss, mask, aggregation), metrics
 
 
 @batch_args
@@ -499,6 +359,7 @@ def grpo_loss(
     *,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    kl_gradient: str = "estimator",
     clip_low: float = 0.2,
     clip_high: float | None = None,
     dual_clip: float | None = None,
@@ -508,19 +369,37 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss: the PPO clipped surrogate plus a per-token KL penalty to a reference.
 
-    ``per_token = weights * pg_loss + kl_coef * approx_kl(log_probs, ref_log_probs,
-    estimator=kl_estimator)`` with ``pg_loss`` exactly as in :func:`ppo_loss`, then
-    ``loss = aggregation(per_token, mask)``: both terms are reduced the same way.
+    ``per_token = weights * pg_loss + kl_coef * kl`` with ``pg_loss`` exactly as in
+    :func:`ppo_loss` and ``kl = approx_kl(log_probs, ref_log_probs, old_log_probs,
+    estimator=kl_estimator, gradient=kl_gradient)``, then ``loss = aggregate(per_token,
+    mask)``: both terms are reduced the same way.
+
+    Which KL gradient (on samples of pi; see :func:`~torchforge.kl.approx_kl`):
+
+    ==============================================  ============================  ==============================
+    ``kl_estimator``, ``kl_gradient``               gradient in expectation       the same as
+    ==============================================  ============================  ==============================
+    ``"k3"``, ``"estimator"`` (default)             grad KL(ref || pi)            DeepSeekMath; TRL's default
+                                                                                  (``use_bias_correction_kl=False``);
+                                                                                  verl ``kl_loss_type="low_var_kl"``
+    ``"k3"``, ``"straight-through"``                grad KL(pi || ref)            verl ``kl_loss_type="k3+"``
+    ``"k3"``, ``"bias-corrected"``                  grad KL(pi || ref)            TRL ``use_bias_correction_kl=True``
+                                                                                  (DeepSeek-V3.2)
+    ``"k2"``, ``"estimator"``                       grad KL(pi || ref)            verl ``"mse"`` / ``"k2"``
+    ``"k1"``, ``"estimator"``                       0                             verl ``"kl"`` / ``"k1"``
+    ==============================================  ============================  ==============================
 
     Args:
         log_probs: [B, T] float log pi (carries grad).
         old_log_probs: [B, T] float log pi_old (detached).
-        advantages: [B] or [B, T] float.
+        advantages: [B] or [B, T] float; detached.
         mask: [B, T] bool, True = the token counts.
         ref_log_probs: [B, T] float log pi_ref; needed only when ``kl_coef > 0``.
         weights: optional [B] or [B, T] float per-token weights on the surrogate; detached.
         kl_coef: weight of the KL term (beta in the paper); >= 0.
         kl_estimator: one of ``KL_ESTIMATORS`` (``"k3"`` as in DeepSeekMath).
+        kl_gradient: one of ``KL_GRADIENTS``: ``"estimator"``, ``"straight-through"``,
+            ``"bias-corrected"`` (the ratio is the token ratio pi / pi_old, with gradient).
         clip_low, clip_high, dual_clip, ratio_level, max_log_ratio: as in :func:`ppo_loss`.
         aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
 
@@ -539,39 +418,46 @@ def grpo_loss(
 
     References:
         GRPO (DeepSeekMath), https://arxiv.org/abs/2402.03300; k3, J. Schulman,
-        http://joschu.net/blog/kl-approx.html
+        http://joschu.net/blog/kl-approx.html; the KL gradients, Tang and Munos,
+        https://arxiv.org/abs/2506.09477; DeepSeek-V3.2, https://arxiv.org/abs/2512.02556
 
     Note:
         ``weights`` multiply the surrogate only, not the KL term (as verl applies
         rollout importance weights). With the original GRPO's per-sequence averaging use
         ``aggregation="seq-mean-token-mean"``; the default ``token-mean`` is DAPO's.
+        k3 is bounded at the extremes (see :func:`~torchforge.kl.approx_kl`): verl
+        clamps its value at +-10, which leaves no gradient on a token more than about
+        2.5 nats below the reference; here the gradient stays, at most 1 in magnitude.
     """
     fn = "grpo_loss"
     check_non_negative(fn, "kl_coef", kl_coef)
     check_choice(fn, "kl_estimator", kl_estimator, KL_ESTIMATORS)
+    check_choice(fn, "kl_gradient", kl_gradient, KL_GRADIENTS)
     if kl_coef > 0 and ref_log_probs is None:
         raise InvalidArgumentError(
             f"{fn}: kl_coef={kl_coef} needs ref_log_probs ([B, T] log-probs under the "
             "reference policy); pass them, or kl_coef=0"
         )
-    per_token, lengths, count, metrics = _ppo_terms(
-        fn, log_probs, old_log_probs, advantages, mask, weights,
-        clip_low, clip_high, dual_clip, ratio_level, max_log_ratio,
+    pg_loss, metrics = _ppo_per_token(
+        fn, log_probs, old_log_probs, advantages, mask, weights, clip_low=clip_low,
+        clip_high=clip_high, dual_clip=dual_clip, ratio_level=ratio_level, max_log_ratio=max_log_ratio,
     )
+    per_token = pg_loss
     if kl_coef > 0:
         check_same_shape(fn, "ref_log_probs", ref_log_probs, "log_probs", log_probs)
         check_float(fn, "ref_log_probs", ref_log_probs)
-        # Zero both sides at masked positions so that a NaN there cannot reach the gradient.
+        # Zero every side at masked positions so that a NaN there cannot reach the gradient.
         kl = approx_kl(
             torch.where(mask, log_probs.float(), 0.0), torch.where(mask, ref_log_probs.float(), 0.0),
-            estimator=kl_estimator, max_log_ratio=max_log_ratio,
+            old_log_probs=torch.where(mask, old_log_probs.float(), 0.0),
+            estimator=kl_estimator, gradient=kl_gradient, max_log_ratio=max_log_ratio,
         )
         per_token = per_token + kl_coef * kl
         with torch.no_grad():
-            metrics["kl"] = kl.detach().sum() / mask.sum().clamp(min=1).float()
+            metrics["kl"] = masked_mean(kl.detach(), mask)
     else:
         metrics["kl"] = torch.zeros((), device=log_probs.device)
-    return _aggregate_zeroed(fn, per_token, lengths, count, aggregation), metrics
+    return _aggregate(fn, per_token, mask, aggregation), metrics
 
 
 @batch_args
@@ -585,12 +471,12 @@ def reinforce_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """REINFORCE policy-gradient loss ``-A log pi``.
 
-    ``per_token = -weights * advantages * log_probs``, ``loss = aggregation(per_token, mask)``;
+    ``per_token = -weights * advantages * log_probs``, ``loss = aggregate(per_token, mask)``;
     its gradient is ``-A grad log pi``, the score-function estimator.
 
     Args:
         log_probs: [B, T] float log pi of the sampled tokens (carries grad).
-        advantages: [B] or [B, T] float (returns, or returns minus a baseline).
+        advantages: [B] or [B, T] float (returns, or returns minus a baseline); detached.
         mask: [B, T] bool, True = the token counts.
         weights: optional [B] or [B, T] float per-token weights; detached.
         aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
@@ -611,14 +497,14 @@ def reinforce_loss(
     """
     fn = "reinforce_loss"
     _check_log_probs(fn, log_probs, mask)
-    advantages = _per_token(fn, "advantages", advantages, log_probs).detach()  # a target, as in ppo_loss
+    A = _per_token(fn, "advantages", advantages, log_probs, mask)
     lp = torch.where(mask, log_probs.float(), 0.0)
-    per_token = -advantages * lp
+    pg_loss = -A * lp
     if weights is not None:
-        per_token = per_token * _per_token(fn, "weights", weights, log_probs).detach()
+        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs, mask)
     with torch.no_grad():
-        metrics = {"log_prob_mean": lp.detach().sum() / mask.sum().clamp(min=1).float()}
-    return Aggregation.of(aggregation)(per_token, mask), metrics
+        metrics = {"log_prob_mean": masked_mean(lp, mask)}
+    return _aggregate(fn, pg_loss, mask, aggregation), metrics
 
 
 @batch_args
@@ -636,8 +522,8 @@ def cispo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO: REINFORCE weighted by the clipped, detached importance ratio.
 
-    ``per_token = -sg(clamp(ratio, 1 - clip_low, 1 + clip_high)) * A * log_probs`` with
-    the token ratio of :func:`policy_ratio`; ``loss = aggregation(weights * per_token,
+    ``pg_loss = -sg(clamp(ratio, 1 - clip_low, 1 + clip_high)) * A * log_probs`` with
+    the token ratio of :func:`policy_ratio`; ``loss = aggregate(weights * pg_loss,
     mask)``. The weight is detached and the gradient flows through ``log_probs``, so a
     clipped token still gets gradient ``-clamp(ratio) * A * grad log pi`` (PPO's clip
     gives it none).
@@ -645,7 +531,7 @@ def cispo_loss(
     Args:
         log_probs: [B, T] float log pi (carries grad).
         old_log_probs: [B, T] float log pi_old (detached).
-        advantages: [B] or [B, T] float.
+        advantages: [B] or [B, T] float; detached.
         mask: [B, T] bool, True = the token counts.
         weights: optional [B] or [B, T] float per-token weights; detached.
         clip_low: lower bound ``1 - clip_low`` on the weight; in [0, 1] (1 = no lower
@@ -655,9 +541,9 @@ def cispo_loss(
         aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
 
     Returns:
-        ``(loss, metrics)``: ``clip_frac_low`` / ``clip_frac_high`` (fraction of tokens
-        whose weight was clipped below / above, whatever the sign of A), ``approx_kl``,
-        ``ratio_mean``, ``ratio_min``, ``ratio_max`` as in :func:`ppo_loss`.
+        ``(loss, metrics)``: ``clip_frac_low`` / ``clip_frac_high`` (fraction of counted
+        tokens whose weight was clipped below / above, whatever the sign of A),
+        ``approx_kl``, ``ratio_mean``, ``ratio_min``, ``ratio_max`` as in :func:`ppo_loss`.
 
     Example:
         >>> import torch
@@ -674,25 +560,376 @@ def cispo_loss(
     """
     fn = "cispo_loss"
     _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
-    advantages = _per_token(fn, "advantages", advantages, log_probs).detach()  # a target, as in ppo_loss
-    clip_high = _check_clip(fn, clip_low, clip_high, None)
+    clip_high = _check_clip(fn, clip_low, clip_high)
     check_positive(fn, "max_log_ratio", max_log_ratio)
-    log_ratio = _safe_log_ratio(log_probs, old_log_probs, mask).detach()
+    A = _per_token(fn, "advantages", advantages, log_probs, mask)
+
+    log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask).detach()
     ratio = torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
     lp = torch.where(mask, log_probs.float(), 0.0)
-    per_token = -ratio.clamp(1 - clip_low, 1 + clip_high) * advantages * lp
+    pg_loss = -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * A * lp
     if weights is not None:
-        per_token = per_token * _per_token(fn, "weights", weights, log_probs).detach()
+        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs, mask)
+
     with torch.no_grad():
-        count = mask.sum()
-        denominator = count.clamp(min=1).float()
-        metrics = {  # masked positions have ratio exactly 1, inside the bounds
-            "clip_frac_low": (ratio < 1 - clip_low).sum().float() / denominator,
-            "clip_frac_high": (ratio > 1 + clip_high).sum().float() / denominator,
+        metrics = {
+            "clip_frac_low": _frac(ratio < 1 - clip_low, mask),
+            "clip_frac_high": _frac(ratio > 1 + clip_high, mask),
         }
-        metrics.update(_ratio_metrics(log_ratio, mask.float(), None, count, sequence=False,
-                                      max_log_ratio=max_log_ratio))
-    return Aggregation.of(aggregation)(per_token, mask), metrics
+        metrics.update(_ratio_metrics(log_ratio, ratio, mask, max_log_ratio))
+    return _aggregate(fn, pg_loss, mask, aggregation), metrics
+
+
+@batch_args
+def sapo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    max_log_ratio: float = 20.0,
+    aggregation: str | Aggregation = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO: PPO's hard clip replaced by a smooth, temperature-controlled gate.
+
+    With the token ``ratio`` of :func:`policy_ratio`, ``A = advantages`` and
+    ``tau = tau_pos`` where ``A > 0``, else ``tau_neg``:
+
+    ``gate = (4 / tau) * sigmoid(tau * (ratio - 1))``, ``pg_loss = -A * gate``,
+    ``loss = aggregate(weights * pg_loss, mask)``.
+
+    The gradient is ``-A * w * ratio * grad log pi`` with ``w = 4 s (1 - s)``,
+    ``s = sigmoid(tau * (ratio - 1))``: ``w = 1`` on-policy (the plain policy gradient)
+    and decays smoothly as the ratio leaves 1, faster for the larger ``tau``.
+
+    Args:
+        log_probs: [B, T] float log pi (carries grad).
+        old_log_probs: [B, T] float log pi_old (detached).
+        advantages: [B] or [B, T] float; detached.
+        mask: [B, T] bool, True = the token counts.
+        weights: optional [B] or [B, T] float per-token weights; detached.
+        tau_pos: gate temperature where ``A > 0``; > 0.
+        tau_neg: gate temperature where ``A <= 0``; > 0 (the paper sets it above
+            ``tau_pos``: negative-advantage tokens are damped faster).
+        max_log_ratio: clamp on the log-ratio before ``exp``; > 0.
+        aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
+
+    Returns:
+        ``(loss, metrics)``: ``gate_weight_mean``, the masked mean of ``w``; ``approx_kl``,
+        ``ratio_mean``, ``ratio_min``, ``ratio_max`` as in :func:`ppo_loss`.
+
+    Example:
+        >>> import torch
+        >>> lp = torch.zeros(1, 2, requires_grad=True)
+        >>> mask = torch.ones(1, 2, dtype=torch.bool)
+        >>> loss, metrics = sapo_loss(lp, lp.detach(), torch.tensor([1.0]), mask)
+        >>> loss                              # gate(1) = (4 / tau) / 2 = 2 for tau = 1
+        tensor(-2., grad_fn=<DivBackward0>)
+        >>> loss.backward(); lp.grad          # on-policy: -A / 2 per token
+        tensor([[-0.5000, -0.5000]])
+
+    References:
+        SAPO, C. Gao et al., "Soft Adaptive Policy Optimization",
+        https://arxiv.org/abs/2511.20347
+
+    Note:
+        The defaults ``tau_pos = 1.0``, ``tau_neg = 1.05`` are TRL's. The gate's value
+        carries an offset ``2 / tau`` at ratio 1 (so the loss is not 0 on-policy); only
+        its gradient matters.
+    """
+    fn = "sapo_loss"
+    _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
+    check_positive(fn, "tau_pos", tau_pos)
+    check_positive(fn, "tau_neg", tau_neg)
+    check_positive(fn, "max_log_ratio", max_log_ratio)
+    A = _per_token(fn, "advantages", advantages, log_probs, mask)
+
+    log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
+    ratio = torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
+    tau = torch.where(A > 0, tau_pos, tau_neg)
+    gate = (4 / tau) * torch.sigmoid(tau * (ratio - 1))
+    pg_loss = -A * gate
+    if weights is not None:
+        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs, mask)
+
+    with torch.no_grad():
+        s = torch.sigmoid(tau * (ratio - 1))
+        metrics = {"gate_weight_mean": masked_mean((4 * s * (1 - s)).expand(mask.shape), mask)}
+        metrics.update(_ratio_metrics(log_ratio, ratio, mask, max_log_ratio))
+    return _aggregate(fn, pg_loss, mask, aggregation), metrics
+
+
+@batch_args
+def gmpo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.4,
+    clip_high: float = 0.4,
+    max_log_ratio: float = 20.0,
+    aggregation: str | Aggregation = "seq-mean-token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO: the geometric mean of the token ratios, clipped token by token in log space.
+
+    With ``log_ratio = log_probs - old_log_probs`` (0 where ``mask`` is False) and
+    ``A = advantages``, each token's log-ratio is clipped on the side its advantage
+    pushes it (PPO's min, in log space):
+
+    ``clipped = min(log_ratio, clip_high)`` where ``A > 0``, ``max(log_ratio, -clip_low)``
+    where ``A < 0`` (0 where ``A == 0``); ``ratio_b = exp(sum_t clipped_bt / n_b)``,
+    ``A_b = sum_t A_bt / n_b`` (over the counted tokens), ``pg_loss_b = -A_b * ratio_b``
+    at every counted token of row b, ``loss = aggregate(pg_loss, mask)`` (by default
+    ``seq-mean-token-mean``: the mean over sequences, as in the paper).
+
+    Args:
+        log_probs: [B, T] float log pi (carries grad).
+        old_log_probs: [B, T] float log pi_old (detached).
+        advantages: [B] or [B, T] float; detached. The paper's advantages are per
+            sequence; per-token ones are averaged over the row (as verl does).
+        mask: [B, T] bool, True = the token counts.
+        clip_low: the log-ratio of a token with ``A < 0`` is kept above ``-clip_low``; >= 0.
+        clip_high: the log-ratio of a token with ``A > 0`` is kept below ``clip_high``; >= 0.
+        max_log_ratio: clamp on the sequence log-ratio before ``exp``; > 0.
+        aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
+
+    Returns:
+        ``(loss, metrics)``: ``clip_frac_low`` / ``clip_frac_high`` (fractions of counted
+        tokens clipped with ``A < 0`` / ``A > 0``); ``approx_kl`` from the token log-ratio;
+        ``ratio_mean``, ``ratio_min``, ``ratio_max`` of the sequence ratio ``ratio_b``
+        (each token counted).
+
+    Example:
+        >>> import torch
+        >>> lp = torch.tensor([[0.5, 0.1]], requires_grad=True)
+        >>> mask = torch.ones(1, 2, dtype=torch.bool)
+        >>> # A > 0: log-ratios 0.5 -> 0.4 and 0.1; ratio = exp((0.4 + 0.1) / 2)
+        >>> loss, _ = gmpo_loss(lp, torch.zeros(1, 2), torch.tensor([1.0]), mask)
+        >>> loss
+        tensor(-1.2840, grad_fn=<DivBackward0>)
+
+    References:
+        GMPO, Y. Zhao et al., "Geometric-Mean Policy Optimization",
+        https://arxiv.org/abs/2507.20673
+
+    Note:
+        The defaults ``clip_low = clip_high = 0.4`` are the paper's range
+        ``(e^-0.4, e^0.4)``; the bounds are in log space, unlike ``ppo_loss``'s. verl
+        averages the loss over every row (``torch.mean``), empty ones included; the
+        default aggregation here counts only rows with a counted token.
+    """
+    fn = "gmpo_loss"
+    _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
+    check_non_negative(fn, "clip_low", clip_low)
+    check_non_negative(fn, "clip_high", clip_high)
+    check_positive(fn, "max_log_ratio", max_log_ratio)
+    A = _per_token(fn, "advantages", advantages, log_probs, mask).expand(mask.shape)
+
+    log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
+    clipped = torch.where(
+        A > 0, log_ratio.clamp(max=clip_high), torch.where(A < 0, log_ratio.clamp(min=-clip_low), 0.0)
+    )
+    lengths = mask.sum(-1, keepdim=True).clamp(min=1)
+    seq_log_ratio = clipped.sum(-1, keepdim=True) / lengths
+    ratio = torch.exp(seq_log_ratio.clamp(-max_log_ratio, max_log_ratio))
+    seq_A = masked_sum(A, mask, dim=-1).unsqueeze(-1) / lengths
+    pg_loss = (-seq_A * ratio).expand(mask.shape)
+
+    with torch.no_grad():
+        metrics = {
+            "clip_frac_low": _frac((log_ratio < -clip_low) & (A < 0), mask),
+            "clip_frac_high": _frac((log_ratio > clip_high) & (A > 0), mask),
+        }
+        metrics.update(_ratio_metrics(log_ratio, ratio, mask, max_log_ratio))
+    return _aggregate(fn, pg_loss, mask, aggregation), metrics
+
+
+def _covariance(A, log_probs, mask) -> torch.Tensor:
+    """Per-token ``(A - mean A) * (log_probs - mean log_probs)``, means over counted tokens."""
+    lp = torch.where(mask, log_probs.detach().float(), 0.0)
+    A = A.expand(mask.shape)
+    return (A - masked_mean(A, mask)) * (lp - masked_mean(lp, mask))
+
+
+def _first_k(keys: torch.Tensor, selectable: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Bool [B, T]: the ``k`` selectable positions with the smallest ``keys`` (all of them
+    if fewer), by a sort instead of ``topk`` so that ``k`` may be a tensor (no sync)."""
+    keys = torch.where(selectable, keys, torch.inf).flatten()
+    order = torch.argsort(keys, stable=True)
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return selectable & (rank.view(selectable.shape) < k)
+
+
+def _selection_count(fn, select_frac, mask) -> torch.Tensor:
+    """``max(floor(select_frac * N), 1)`` with N the counted tokens (a tensor: no sync)."""
+    if not 0 < select_frac <= 1:
+        raise InvalidArgumentError(f"{fn}: select_frac must be in (0, 1], got {select_frac}")
+    return torch.floor(select_frac * mask.sum()).clamp(min=1)
+
+
+@batch_args
+def clip_cov_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    select_frac: float = 2e-4,
+    cov_low: float = 1.0,
+    cov_high: float = 5.0,
+    generator: torch.Generator | None = None,
+    max_log_ratio: float = 20.0,
+    aggregation: str | Aggregation = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clip-Cov: the PPO loss, with the gradient of a few high-covariance tokens detached.
+
+    With ``pg_loss`` the clipped surrogate of :func:`ppo_loss` and, over the counted
+    tokens, ``cov_t = (A_t - mean(A)) * (log_probs_t - mean(log_probs))`` (the token's
+    contribution to the covariance that drives entropy collapse):
+
+    the candidates are the counted tokens not already clipped by PPO with
+    ``cov_low < cov_t < cov_high``; ``k = max(floor(select_frac * N), 1)`` of them (N the
+    counted tokens) are drawn uniformly at random; ``pg_loss_t = sg(pg_loss_t)`` at the
+    drawn tokens (no gradient), ``loss = aggregate(pg_loss, mask)``.
+
+    Args:
+        log_probs: [B, T] float log pi (carries grad).
+        old_log_probs: [B, T] float log pi_old (detached).
+        advantages: [B] or [B, T] float; detached.
+        mask: [B, T] bool, True = the token counts.
+        clip_low, clip_high: the PPO clip, as in :func:`ppo_loss`.
+        select_frac: the fraction r of counted tokens whose gradient is detached; in (0, 1].
+        cov_low, cov_high: the covariance band the detached tokens are drawn from;
+            ``cov_low < cov_high``.
+        generator: the ``torch.Generator`` of the random draw (on the device of
+            ``log_probs``); None uses the global one.
+        max_log_ratio: clamp on the log-ratio before ``exp``; > 0.
+        aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
+
+    Returns:
+        ``(loss, metrics)``: ``cov_clip_frac``, the fraction of counted tokens detached;
+        ``clip_frac_low``, ``clip_frac_high``, ``approx_kl``, ``ratio_mean``,
+        ``ratio_min``, ``ratio_max`` as in :func:`ppo_loss`.
+
+    Example:
+        >>> import torch
+        >>> lp = torch.tensor([[-1.0, -3.0, -5.0, -7.0]], requires_grad=True)
+        >>> A = torch.tensor([[2.0, 1.0, -1.0, -2.0]]); mask = torch.ones(1, 4, dtype=torch.bool)
+        >>> # cov = (A - 0) * (lp + 4) = [6, 1, 1, 6]; in (1, 7): the two with cov 6;
+        >>> # k = floor(0.5 * 4) = 2 of them are detached
+        >>> loss, m = clip_cov_loss(lp, lp.detach(), A, mask, select_frac=0.5, cov_high=7.0)
+        >>> m["cov_clip_frac"]
+        tensor(0.5000)
+
+    References:
+        G. Cui et al., "The Entropy Mechanism of Reinforcement Learning for Reasoning
+        Language Models", https://arxiv.org/abs/2505.22617
+
+    Note:
+        Defaults (r = 2e-4, band (1, 5)) are the paper's and verl's. The covariance uses
+        the means of this call's counted tokens, as verl does (not global ones). verl
+        multiplies the drawn tokens' loss by 0; the paper detaches their gradient, as
+        here: the gradient is the same, the loss value keeps their term.
+    """
+    fn = "clip_cov_loss"
+    pg_loss, metrics = _ppo_per_token(
+        fn, log_probs, old_log_probs, advantages, mask, None, clip_low=clip_low,
+        clip_high=clip_high, dual_clip=None, ratio_level="token", max_log_ratio=max_log_ratio,
+    )
+    if not cov_low < cov_high:
+        raise InvalidArgumentError(f"{fn}: cov_low must be < cov_high, got cov_low={cov_low}, cov_high={cov_high}")
+    k = _selection_count(fn, select_frac, mask)
+    with torch.no_grad():
+        A = _per_token(fn, "advantages", advantages, log_probs, mask)
+        cov = _covariance(A, log_probs, mask)
+        clip_high = clip_low if clip_high is None else clip_high
+        ratio = torch.exp(_masked_log_ratio(log_probs, old_log_probs, mask).clamp(-max_log_ratio, max_log_ratio))
+        clipped = ((ratio < 1 - clip_low) & (A < 0)) | ((ratio > 1 + clip_high) & (A > 0))
+        candidates = mask & ~clipped & (cov > cov_low) & (cov < cov_high)
+        draw = torch.rand(mask.shape, generator=generator, device=log_probs.device)
+        detached = _first_k(draw, candidates, k)
+        metrics["cov_clip_frac"] = _frac(detached, mask)
+    pg_loss = torch.where(detached, pg_loss.detach(), pg_loss)
+    return _aggregate(fn, pg_loss, mask, aggregation), metrics
+
+
+@batch_args
+def kl_cov_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    select_frac: float = 2e-4,
+    kl_coef: float = 1.0,
+    max_log_ratio: float = 20.0,
+    aggregation: str | Aggregation = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL-Cov: the unclipped surrogate, with a KL penalty on the highest-covariance tokens.
+
+    With the token ``ratio`` and ``log_ratio`` of :func:`policy_ratio` and, over the
+    counted tokens, ``cov_t = (A_t - mean(A)) * (log_probs_t - mean(log_probs))``:
+
+    the ``k = max(floor(select_frac * N), 1)`` counted tokens of largest ``cov_t`` (N the
+    counted tokens) are selected; ``pg_loss = -A * ratio + kl_coef * |log_ratio| *
+    selected``, ``loss = aggregate(pg_loss, mask)``. No clip: the penalty replaces it.
+
+    Args:
+        log_probs: [B, T] float log pi (carries grad).
+        old_log_probs: [B, T] float log pi_old (detached).
+        advantages: [B] or [B, T] float; detached.
+        mask: [B, T] bool, True = the token counts.
+        select_frac: the fraction k of counted tokens penalized; in (0, 1].
+        kl_coef: the penalty's weight (beta in the paper); >= 0.
+        max_log_ratio: clamp on the log-ratio before ``exp``; > 0.
+        aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
+
+    Returns:
+        ``(loss, metrics)``: ``kl_cov_frac``, the fraction of counted tokens penalized;
+        ``kl_abs``, the masked mean of ``|log_ratio|``; ``approx_kl``, ``ratio_mean``,
+        ``ratio_min``, ``ratio_max`` as in :func:`ppo_loss`.
+
+    Example:
+        >>> import torch
+        >>> lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+        >>> old = torch.tensor([[-1.5, -2.0]]); mask = torch.ones(1, 2, dtype=torch.bool)
+        >>> # cov = (A - 0) * (lp + 1.5) = [0.5, 0.5]; k = 1: the first (ties by position)
+        >>> loss, m = kl_cov_loss(lp, old, torch.tensor([[1.0, -1.0]]), mask, select_frac=0.5)
+        >>> loss                              # (-e^0.5 + |0.5| + 1) / 2
+        tensor(-0.0744, grad_fn=<DivBackward0>)
+
+    References:
+        G. Cui et al., "The Entropy Mechanism of Reinforcement Learning for Reasoning
+        Language Models", https://arxiv.org/abs/2505.22617
+
+    Note:
+        Defaults (k = 2e-4, beta = 1) are verl's. The covariance uses the means of this
+        call's counted tokens, as verl does. Ties in ``cov`` go to the earlier position
+        (row-major); verl's ``topk`` leaves their order unspecified.
+    """
+    fn = "kl_cov_loss"
+    _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
+    check_non_negative(fn, "kl_coef", kl_coef)
+    check_positive(fn, "max_log_ratio", max_log_ratio)
+    k = _selection_count(fn, select_frac, mask)
+    A = _per_token(fn, "advantages", advantages, log_probs, mask)
+
+    log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
+    ratio = torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
+    with torch.no_grad():
+        selected = _first_k(-_covariance(A, log_probs, mask), mask, k)
+    pg_loss = -A * ratio + torch.where(selected, kl_coef * log_ratio.abs(), 0.0)
+
+    with torch.no_grad():
+        metrics = {"kl_cov_frac": _frac(selected, mask), "kl_abs": masked_mean(log_ratio.abs(), mask)}
+        metrics.update(_ratio_metrics(log_ratio, ratio, mask, max_log_ratio))
+    return _aggregate(fn, pg_loss, mask, aggregation), metrics
 
 
 @batch_args
@@ -709,7 +946,7 @@ def value_loss(
 
     ``values_clipped = old_values + clamp(values - old_values, -clip, clip)``,
     ``per_token = 0.5 * max((values - returns)**2, (values_clipped - returns)**2)``
-    (``0.5 * (values - returns)**2`` with ``clip=None``), ``loss = aggregation(per_token,
+    (``0.5 * (values - returns)**2`` with ``clip=None``), ``loss = aggregate(per_token,
     mask)``.
 
     Args:
@@ -761,5 +998,5 @@ def value_loss(
         loss2 = (old_error + (error - old_error).clamp(-clip, clip)) ** 2
         per_token = 0.5 * torch.maximum(loss1, loss2)
         with torch.no_grad():
-            metrics = {"clip_frac": _frac(loss2 > loss1, mask, mask.sum().clamp(min=1).float())}
-    return Aggregation.of(aggregation)(per_token, mask), metrics
+            metrics = {"clip_frac": _frac(loss2 > loss1, mask)}
+    return _aggregate(fn, per_token, mask, aggregation), metrics
