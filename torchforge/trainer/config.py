@@ -64,6 +64,12 @@ class RLConfig:
         stop_token_ids: extra ids that end a completion (eos is always one).
         reward_weights: one weight per reward function (default: each one's ``weight``).
         progress_bar: show a progress bar.
+        max_turns: model turns per episode with ``RLTrainer(environment_factory=...)``
+            (``max_completion_length`` is then the limit of one turn).
+        max_total_tokens: tokens of an episode after its prompt (model and environment
+            tokens); None: no limit but ``max_turns``.
+        step_timeout: seconds an environment's ``step`` may take before its episode ends
+            (faulted); None waits forever.
 
     Returns:
         The validated config; ``InvalidArgumentError`` names the first bad field.
@@ -117,6 +123,9 @@ class RLConfig:
     stop_token_ids: list[int] | None = None
     reward_weights: list[float] | None = None
     progress_bar: bool = True
+    max_turns: int = 1
+    max_total_tokens: int | None = None
+    step_timeout: float | None = 60.0
 
     def __post_init__(self) -> None:
         fn = "RLConfig"
@@ -153,9 +162,9 @@ class RLConfig:
         choice("reinforce_baseline", REINFORCE_BASELINES)
         choice("lr_scheduler", LR_SCHEDULERS)
         for name in ("num_generations", "max_completion_length", "prompts_per_step", "num_iterations",
-                     "logging_steps"):
+                     "logging_steps", "max_turns"):
             positive_int(name)
-        for name in ("micro_batch_size", "max_steps", "save_steps"):
+        for name in ("micro_batch_size", "max_steps", "save_steps", "max_total_tokens"):
             positive_int(name, optional=True)
         in_range("learning_rate", 0, float("inf"), open_low=True)
         in_range("kl_coef", 0, float("inf"))
@@ -170,6 +179,7 @@ class RLConfig:
         in_range("max_grad_norm", 0, float("inf"), optional=True, open_low=True)
         in_range("weight_decay", 0, float("inf"))
         in_range("num_train_epochs", 0, float("inf"), open_low=True)
+        in_range("step_timeout", 0, float("inf"), optional=True, open_low=True)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", "an int >= 0 (0 disables top-k)")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:

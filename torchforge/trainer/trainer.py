@@ -54,6 +54,7 @@ from torchforge.loop import (
 )
 from torchforge.loop.rewards import score_rewards
 from torchforge.reduce import Aggregation, masked_mean
+from torchforge.trainer import episodes
 from torchforge.trainer.algorithms import Algorithm, algorithm_from_name
 from torchforge.trainer.config import RLConfig
 from torchforge.trainer.tracking import MetricsLogger
@@ -131,6 +132,10 @@ class RLTrainer:
         distributed_config: a :class:`DistributedConfig`; its strategy and precision
             override the config's. Processes are started by ``torchrun`` (or
             ``torchforge train --nproc N``); one process trains alone.
+        environment_factory: a class or function making one multi-turn environment per
+            episode (``reset(row)``, ``step(action)``: :class:`torchforge.loop.environments.Environment`);
+            each row plays ``num_generations`` episodes of up to ``config.max_turns`` turns,
+            and ``reward_functions`` become optional (see :mod:`torchforge.trainer.episodes`).
 
     Returns:
         The trainer; :meth:`train` runs it.
@@ -152,8 +157,10 @@ class RLTrainer:
         train_dataset: Any = None,
         algorithm: Algorithm | None = None,
         distributed_config: DistributedConfig | None = None,
+        environment_factory: Callable[[], Any] | None = None,
     ) -> None:
         self.config = _checked_config(config)
+        self.environment_factory = environment_factory
         init_distributed()
         self.device = _device()
         model = self._build_task(model, tokenizer, reward_functions, train_dataset)
@@ -178,20 +185,21 @@ class RLTrainer:
                 raise InvalidArgumentError(f"{fn}: a tokenizer was given without a model; pass both, or neither for the demo")
             tokenizer = demo.char_tokenizer()
             model = demo.tiny_llama(tokenizer, seed=config.seed)
-            reward_functions = reward_functions if reward_functions is not None else [demo.CopyDigitsReward()]
+            if reward_functions is None:
+                reward_functions = [] if self.environment_factory is not None else [demo.CopyDigitsReward()]
             train_dataset = train_dataset if train_dataset is not None else demo.copy_digits_dataset(4096, seed=config.seed)
         if tokenizer is None:
             raise InvalidArgumentError(f"{fn}: tokenizer is None; expected the model's tokenizer")
-        if not reward_functions:
+        if not reward_functions and self.environment_factory is None:
             raise InvalidArgumentError(f"{fn}: reward_functions is empty; expected at least one reward function")
         if train_dataset is None or len(train_dataset) == 0:
             raise InvalidArgumentError(f"{fn}: train_dataset is empty or None; expected rows with a 'prompt' field")
-        if "prompt" not in train_dataset[0]:
+        if "prompt" not in train_dataset[0] and self.environment_factory is None:
             raise InvalidArgumentError(
                 f"{fn}: train_dataset rows have fields {sorted(train_dataset[0])}; expected a 'prompt' field"
             )
         self.tokenizer = tokenizer
-        self.reward_functions = list(reward_functions)
+        self.reward_functions = list(reward_functions or [])
         self.train_dataset = train_dataset
         self.stop_ids = completion_stop_ids(tokenizer, model, config.stop_token_ids)
         return model
@@ -345,6 +353,8 @@ class RLTrainer:
         """G completions of each of this process's prompts of ``step`` (with ``rollout_log_probs``)."""
         cfg = self.config
         rows, ids = self._rows(step)
+        if self.environment_factory is not None:  # multi-turn episodes
+            return (*episodes.rollout_step(self, rows, ids), rows)
         prompts = [self._render(row["prompt"]) for row in rows]
         with self._autocast_context():
             batch = rollout(self.model, self.tokenizer, prompts, num_generations=cfg.num_generations,
@@ -355,6 +365,8 @@ class RLTrainer:
 
     def _score(self, batch: Batch, prompts: list[str], rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Set ``batch.rewards`` (the weighted sum of the reward functions); return each function's scores."""
+        if self.environment_factory is not None:
+            return episodes.score_step(self, batch, prompts, rows)
         G = self.config.num_generations
         completions, completion_ids = decode_completions(self.tokenizer, batch)
         columns = {key: [row[key] for row in rows for _ in range(G)] for key in rows[0] if key != "prompt"}
@@ -460,6 +472,8 @@ class RLTrainer:
         out["learning_rate"] = self.scheduler.get_last_lr()[0]
         out["tokens_per_second"] = total["_tokens"] / seconds
         out["step_time"] = seconds
+        if self.environment_factory is not None:
+            out.update(episodes.step_metrics(self, batch))
         return out
 
     # --- the run ------------------------------------------------------------------------------
