@@ -62,7 +62,7 @@ from torchforge.errors import (
     ShapeError,
     TorchforgeError,
 )
-from torchforge.kl import KL_ESTIMATORS, approx_kl, exact_kl
+from torchforge.kl import KL_ESTIMATORS, KL_GRADIENTS, adaptive_kl_coef, approx_kl, exact_kl
 from torchforge.log_probs import (
     FUSED_CHUNK_ELEMENTS,
     LOGITS_CHUNK_ELEMENTS,
@@ -73,10 +73,14 @@ from torchforge.log_probs import (
 from torchforge.losses import (
     RATIO_LEVELS,
     cispo_loss,
+    clip_cov_loss,
+    gmpo_loss,
     grpo_loss,
+    kl_cov_loss,
     policy_ratio,
     ppo_loss,
     reinforce_loss,
+    sapo_loss,
     value_loss,
 )
 from torchforge.reduce import (
@@ -153,7 +157,9 @@ __all__ = [
     # kl
     "approx_kl",
     "exact_kl",
+    "adaptive_kl_coef",
     "KL_ESTIMATORS",
+    "KL_GRADIENTS",
     # reduce
     "masked_sum",
     "masked_mean",
@@ -181,6 +187,10 @@ __all__ = [
     "grpo_loss",
     "reinforce_loss",
     "cispo_loss",
+    "sapo_loss",
+    "gmpo_loss",
+    "clip_cov_loss",
+    "kl_cov_loss",
     "value_loss",
     "RATIO_LEVELS",
     # corrections
