@@ -31,7 +31,7 @@ from torchforge.errors import InvalidArgumentError
 
 __all__ = ["main", "load_run_config", "import_object"]
 
-_RUN_KEYS = ("model", "dataset", "reward_functions", "distributed")
+_RUN_KEYS = ("model", "dataset", "reward_functions", "distributed", "environment")
 
 
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$")
@@ -136,25 +136,26 @@ def build_trainer(values: dict[str, Any]):
 
     run = {k: values.pop(k) for k in _RUN_KEYS if k in values}
     dist = DistributedConfig(**run["distributed"]) if run.get("distributed") else None
+    environment = import_object(run["environment"]) if run.get("environment") else None  # multi-turn episodes
     if "model" not in run:  # the embedded demo, with any settings changed
         if "dataset" in run or "reward_functions" in run:
             raise InvalidArgumentError(
                 "torchforge train: dataset / reward_functions given without a model; expected 'model' "
                 "(a local Hugging Face folder) too"
             )
-        return RLTrainer(config=demo_config(**values), distributed_config=dist)
-    missing = [k for k in ("dataset", "reward_functions") if k not in run]
+        return RLTrainer(config=demo_config(**values), distributed_config=dist, environment_factory=environment)
+    missing = [k for k in ("dataset", "reward_functions") if k not in run and not (k == "reward_functions" and environment)]
     if missing:
         raise InvalidArgumentError(f"torchforge train: model given but not {missing}; expected all three")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(run["model"])
     tokenizer = AutoTokenizer.from_pretrained(run["model"])
-    rewards = run["reward_functions"]
+    rewards = run.get("reward_functions", [])
     return RLTrainer(
         model=model, tokenizer=tokenizer, config=RLConfig.from_dict(values),
         reward_functions=_reward_functions([rewards] if isinstance(rewards, str) else rewards),
-        train_dataset=_dataset(run["dataset"]), distributed_config=dist,
+        train_dataset=_dataset(run["dataset"]), distributed_config=dist, environment_factory=environment,
     )
 
 
