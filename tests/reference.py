@@ -312,29 +312,49 @@ def value_per_token_ref(v, v_old, ret, mask, clip):
 
 # --- corrections ------------------------------------------------------------------------
 
+def _level_log_ratio_ref(old, rollout, b, t, counted, level):
+    """The log-ratio of token (b, t) at ``level``: its own, the row's mean or the row's sum."""
+    if level == "token":
+        return float(old[b, t]) - float(rollout[b, t])
+    total = sum(float(old[b, u]) - float(rollout[b, u]) for u in counted)
+    return total / len(counted) if level == "sequence" else total
+
+
 def truncated_importance_weights_ref(old, rollout, mask, level, cap):
     B, T = old.shape
     out = torch.zeros(B, T, dtype=torch.float64)
     for b in range(B):
         counted = [t for t in range(T) if mask[b, t]]
-        seq = sum(float(old[b, t]) - float(rollout[b, t]) for t in counted)
         for t in counted:
-            lr = seq if level == "sequence" else float(old[b, t]) - float(rollout[b, t])
-            out[b, t] = min(math.exp(min(lr, 700.0)), cap)
+            lr = _level_log_ratio_ref(old, rollout, b, t, counted, level)
+            out[b, t] = 0.0 if math.isnan(lr) else min(math.exp(min(lr, 700.0)), cap)
     return out
 
 
 def ratio_mask_ref(old, rollout, mask, low, high, level):
     B, T = old.shape
-    out = torch.zeros(B, T, dtype=torch.bool)
+    out = torch.zeros(B, T, dtype=torch.float64)
     for b in range(B):
         counted = [t for t in range(T) if mask[b, t]]
-        if not counted:
-            continue
-        geo = math.exp(sum(float(old[b, t]) - float(rollout[b, t]) for t in counted) / len(counted))
         for t in counted:
-            r = geo if level == "sequence" else math.exp(float(old[b, t]) - float(rollout[b, t]))
-            out[b, t] = low <= r <= high
+            lr = _level_log_ratio_ref(old, rollout, b, t, counted, level)
+            r = math.exp(min(lr, 700.0)) if not math.isnan(lr) else math.nan
+            out[b, t] = 1.0 if low <= r <= high else 0.0
+    return out
+
+
+def high_entropy_mask_ref(entropy, mask, quantile):
+    """Keep the counted tokens whose entropy is >= the (1 - quantile)-quantile (linear)."""
+    xs = sorted(float(entropy[b, t]) for b in range(entropy.shape[0]) for t in range(entropy.shape[1]) if mask[b, t])
+    out = torch.zeros(entropy.shape, dtype=torch.float64)
+    if not xs:
+        return out
+    pos = (1 - quantile) * (len(xs) - 1)
+    lo, hi = xs[math.floor(pos)], xs[math.ceil(pos)]
+    tau = lo + (hi - lo) * (pos - math.floor(pos))
+    for b in range(entropy.shape[0]):
+        for t in range(entropy.shape[1]):
+            out[b, t] = 1.0 if mask[b, t] and float(entropy[b, t]) >= tau else 0.0
     return out
 
 
