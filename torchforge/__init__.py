@@ -22,9 +22,12 @@ from torchforge.advantages import (
 from torchforge.batch import Batch, batch_args, is_batch
 from torchforge.corrections import (
     CORRECTION_LEVELS,
+    entropy_threshold,
+    high_entropy_mask,
     overlong_penalty,
     ratio_mask,
     truncated_importance_weights,
+    unscored_tokens,
     zero_std_groups,
 )
 from torchforge.distributed import (
@@ -196,6 +199,9 @@ __all__ = [
     # corrections
     "truncated_importance_weights",
     "ratio_mask",
+    "unscored_tokens",
+    "high_entropy_mask",
+    "entropy_threshold",
     "overlong_penalty",
     "zero_std_groups",
     "CORRECTION_LEVELS",
