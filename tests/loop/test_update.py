@@ -54,3 +54,20 @@ def test_optimizer_step_clips_and_reports_the_norm():
 def test_micro_batches_errors():
     with pytest.raises(InvalidArgumentError, match="micro_batches: size must be an int >= 1, got 0"):
         list(micro_batches(_toy_parts(), 0))
+
+
+def test_accumulated_extremes_are_max_and_min_and_an_empty_micro_batch_never_wins():
+    # micro-batches of 3, 0 and 1 tokens: x_max / x_min combine as max / min (the empty one's
+    # 0 is left out), x_mean as the token-weighted mean (3 * 1 + 1 * 5) / 4 = 2
+    mask = torch.tensor([[True, True, True], [False, False, False], [True, False, False]])
+    batch = Batch(mask=mask, advantages=torch.tensor([[1.0], [0.0], [5.0]]).expand(3, 3), batch_size=[3])
+    weight = torch.nn.Parameter(torch.tensor(1.0))
+
+    def loss_fn(part, aggregation):
+        x = part.advantages[:, 0]
+        return aggregation(weight * part.mask.float(), part.mask), {"x_max": x.max(), "x_min": x.min(), "x_mean": x.mean()}
+
+    _, metrics = accumulate_gradients(list(micro_batches(batch, 1)), loss_fn)
+    assert metrics == {"x_max": 5.0, "x_min": 1.0, "x_mean": 2.0}
+    _, metrics = accumulate_gradients(list(micro_batches(batch, 1))[1:2], loss_fn)  # nothing counted
+    assert metrics["x_max"] == -float("inf") and metrics["x_min"] == float("inf")

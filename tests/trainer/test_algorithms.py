@@ -149,17 +149,29 @@ def test_a_subclass_init_need_not_call_super(tmp_path):
     assert Algorithm._metrics is None and Algorithm._config is None  # nothing leaked into the class
 
 
-@pytest.mark.parametrize("baseline", ["reinforce++", "reinforce++-baseline"])
-def test_reinforce_pp_prepare_equals_the_primitive_in_one_process(tmp_path, baseline):
-    from torchforge.advantages import group_advantages, kl_penalized_rewards, reinforce_pp_advantages
+# --- global statistics: 2 processes equal 1 ------------------------------------------------
 
-    trainer = RLTrainer(config=small_config(tmp_path, algorithm="reinforce", reinforce_baseline=baseline))
-    batch, _ = trainer.sample(0)
-    batch.ref_log_probs = trainer._log_probs_no_grad(trainer.ref_model, batch)
-    batch.old_log_probs = trainer._log_probs_no_grad(trainer.model, batch)
-    trainer.algorithm.prepare(batch)
-    scores = batch.rewards
-    if baseline == "reinforce++-baseline":
-        scores = group_advantages(scores, group_size=4, scale="none")
-    scores = kl_penalized_rewards(scores, batch.old_log_probs, batch.ref_log_probs, batch.mask, kl_coef=0.05)
-    torch.testing.assert_close(batch.advantages, reinforce_pp_advantages(scores, batch.mask), rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("settings", [
+    ["algorithm=reinforce", "reinforce_baseline=reinforce++"],
+    ["algorithm=reinforce", "reinforce_baseline=reinforce++-baseline"],
+    ["algorithm=grpo", "advantage_scale=batch"],
+])
+def test_whitening_and_batch_scale_use_every_process(tmp_path, settings):
+    # REINFORCE++ whitens the returns and advantage_scale="batch" divides by the reward std
+    # with the statistics of every process (sum_over_ranks): each process alone would whiten
+    # its own half with other statistics, and the losses and gradients would differ.
+    import json
+
+    from torchforge.trainer.cli import main
+
+    common = ["max_steps=2", "prompts_per_step=4", "num_generations=4", "kl_coef=0.05", "progress_bar=false",
+              "distributed_strategy=ddp", "loss_aggregation=seq-mean-token-mean", "learning_rate=1e-2", *settings]
+    runs = {}
+    for name, nproc in (("one", []), ("two", ["--nproc", "2"])):
+        assert main(["train", *nproc, *common, f"output_dir={tmp_path / name}"]) == 0
+        runs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in runs["two"]] == [1, 2]
+    for a, b in zip(runs["one"], runs["two"]):
+        assert a["grad_norm"] > 0
+        for key in ("loss", "reward", "kl", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)

@@ -66,6 +66,32 @@ def test_the_first_ratio_is_exactly_one(tmp_path, algorithm):
     assert metrics["clip_frac_low"] == 0.0 and metrics["clip_frac_high"] == 0.0
 
 
+def test_extreme_metrics_are_the_max_and_min_over_micro_batches(tmp_path):
+    # ratio_max / ratio_min of a step are the max / min over its micro-batches, not their
+    # token-weighted mean; the other metrics stay token-weighted means.
+    from torchforge.trainer.algorithms import GRPO
+
+    seen = []
+
+    class Spy(GRPO):
+        def compute_loss(self, batch):
+            loss, metrics = super().compute_loss(batch)
+            seen.append((int(batch.mask.sum()), {k: v.item() for k, v in metrics.items()}))
+            return loss, metrics
+
+    config = small_config(tmp_path, max_steps=1, micro_batch_size=8, num_iterations=2, kl_coef=0.0)
+    metrics = RLTrainer(algorithm=Spy(), config=config).train_step(0)
+    assert len(seen) == 4
+    second_pass = seen[2:]  # after one update: the ratios move away from 1
+    maxima = [m["ratio_max"] for _, m in second_pass]
+    minima = [m["ratio_min"] for _, m in second_pass]
+    assert maxima[0] != maxima[1] and minima[0] != minima[1]
+    assert metrics["ratio_max"] == max(maxima) and metrics["ratio_min"] == min(minima)
+    tokens = [n for n, _ in second_pass]
+    mean = sum(n * m["ratio_mean"] for n, m in second_pass) / sum(tokens)
+    assert metrics["ratio_mean"] == pytest.approx(mean, rel=1e-6)
+
+
 def test_micro_batch_size_does_not_change_the_update(tmp_path, monkeypatch):
     import torchforge.trainer.trainer as trainer_module
 

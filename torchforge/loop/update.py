@@ -59,7 +59,11 @@ def accumulate_gradients(
     Returns:
         ``(loss, metrics)``: the step's loss on this rank (the sum over micro-batches,
         detached) and, per metric, its token-weighted sum over micro-batches divided by
-        this rank's tokens (local means; reduce across ranks as sums for logging).
+        this rank's tokens (local means; reduce across ranks as sums for logging). A
+        metric named ``*_max`` / ``*_min`` (:func:`metric_reduction`) is an extreme: its
+        max / min over the micro-batches with counted tokens (``-inf`` / ``+inf`` when
+        none has any; reduce across ranks with
+        :func:`torchforge.distributed.reduce_metric_extrema`).
 
     Example:
         >>> w = torch.nn.Parameter(torch.tensor(2.0))
@@ -73,7 +77,7 @@ def accumulate_gradients(
     aggregation = Aggregation(mode, num_tokens=num_tokens, num_sequences=num_sequences,
                               dp_size=world_size(), norm_length=norm_length)
     total = torch.zeros((), dtype=torch.float32)
-    sums: dict[str, torch.Tensor] = {}
+    combined: dict[str, torch.Tensor] = {}
     local_tokens = sum(int(p.mask.sum()) for p in parts)
     for part in parts:
         loss, metrics = loss_fn(part, aggregation)
@@ -81,8 +85,39 @@ def accumulate_gradients(
         total += loss.detach().float().cpu()
         weight = int(part.mask.sum())
         for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + weight * torch.as_tensor(value).detach().float().cpu()
-    return total, {k: v / max(local_tokens, 1) for k, v in sums.items()}
+            value = torch.as_tensor(value).detach().float().cpu()
+            kind = metric_reduction(key)
+            if kind == "mean":
+                combined[key] = combined.get(key, 0.0) + weight * value
+            else:  # an empty micro-batch's extreme is a fill value, not a token's: it never wins
+                fill = torch.tensor(-math.inf if kind == "max" else math.inf)
+                value = value if weight else fill
+                combined[key] = (torch.maximum if kind == "max" else torch.minimum)(combined.get(key, fill), value)
+    return total, {k: v / max(local_tokens, 1) if metric_reduction(k) == "mean" else v for k, v in combined.items()}
+
+
+def metric_reduction(name: str) -> str:
+    """How a loss metric combines over micro-batches and ranks: "max", "min" or "mean".
+
+    A metric named ``*_max`` (``ratio_max``) is a maximum and ``*_min`` a minimum: a mean
+    of per-micro-batch maxima is not the maximum of the batch. Every other metric is a
+    mean over counted tokens, combined as a token-weighted mean.
+
+    Args:
+        name: the metric's name.
+
+    Returns:
+        "max", "min" or "mean".
+
+    Example:
+        >>> [metric_reduction(k) for k in ("ratio_max", "ratio_min", "clip_frac_low")]
+        ['max', 'min', 'mean']
+    """
+    if name.endswith("_max"):
+        return "max"
+    if name.endswith("_min"):
+        return "min"
+    return "mean"
 
 
 def optimizer_step(

@@ -44,19 +44,19 @@ import torch
 from torch import nn
 
 from torchforge.advantages import (
-    discounted_returns,
     gae,
     group_advantages,
     kl_penalized_rewards,
+    reinforce_pp_advantages,
     rloo_advantages,
 )
 from torchforge.batch import Batch
-from torchforge.distributed import whiten_over_ranks
+from torchforge.distributed import sum_over_ranks
 from torchforge.errors import TorchforgeError
 from torchforge.kl import approx_kl
 from torchforge.loop import ValueModel, micro_batches
 from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss, value_loss
-from torchforge.reduce import Aggregation, masked_mean
+from torchforge.reduce import Aggregation, masked_mean, masked_whiten
 from torchforge.trainer.config import RLConfig
 
 __all__ = ["Algorithm", "GRPO", "PPO", "REINFORCE", "algorithm_from_name"]
@@ -231,7 +231,10 @@ class Algorithm:
     def compute_advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """Group-normalized advantages of ``rewards`` (groups of ``self.group_size``).
 
-        ``A = (r - mean_group) / (std_group + eps)`` with ``config.advantage_scale``.
+        ``A = (r - mean_group) / (std_group + eps)`` with ``config.advantage_scale``;
+        ``"batch"`` divides by the std of the rewards of every process (the same on 1
+        process as on N). Every process must call it together (a collective) when
+        ``advantage_scale="batch"``.
 
         Args:
             rewards: [B] rewards of whole groups.
@@ -239,7 +242,8 @@ class Algorithm:
         Returns:
             [B] float32 advantages.
         """
-        return group_advantages(rewards, group_size=self.group_size, scale=self.config.advantage_scale)
+        return group_advantages(rewards, group_size=self.group_size, scale=self.config.advantage_scale,
+                                sum_over_ranks=sum_over_ranks)
 
     def policy_gradient_loss(self, log_probs: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         """The clipped policy-gradient loss of the current micro-batch, aggregated exactly.
@@ -366,7 +370,7 @@ class PPO(Algorithm):
         ref = batch.ref_log_probs if cfg.kl_coef > 0 else batch.old_log_probs
         token_rewards = kl_penalized_rewards(rewards, batch.old_log_probs, ref, batch.mask, kl_coef=cfg.kl_coef)
         advantages, batch.returns = gae(token_rewards, batch.old_values, batch.mask, gamma=cfg.gamma, lam=cfg.lam)
-        batch.advantages = whiten_over_ranks(advantages, batch.mask)  # the whole batch, all ranks
+        batch.advantages = masked_whiten(advantages, batch.mask, sum_over_ranks=sum_over_ranks)  # all ranks
 
     def compute_loss(self, batch: Batch):
         cfg = self.config
@@ -386,7 +390,8 @@ class REINFORCE(Algorithm):
 
     ``reinforce_baseline="rloo"``: ``A_i = r_i - mean_{j != i} r_j`` per sequence, and a
     ``kl_coef * k3`` term in the loss as GRPO. ``"reinforce++"``: token returns of
-    ``score - kl_coef * k1`` (KL in the reward), whitened over the batch;
+    ``score - kl_coef * k1`` (KL in the reward), whitened over the batch of every process
+    (``reinforce_pp_advantages(..., sum_over_ranks=sum_over_ranks)``);
     ``"reinforce++-baseline"``: the group mean subtracted from the scores first.
 
     Args:
@@ -420,15 +425,18 @@ class REINFORCE(Algorithm):
         if cfg.reinforce_baseline == "rloo":
             batch.advantages = rloo_advantages(batch.rewards, group_size=self.group_size)
             return
-        scores = batch.rewards
+        rewards, group_size = batch.rewards, None
         if cfg.reinforce_baseline == "reinforce++-baseline":
-            scores = group_advantages(scores, group_size=self.group_size, scale="none")
-        scores = scores.nan_to_num(0.0)
-        if self._kl_in_reward:
-            scores = kl_penalized_rewards(scores, batch.old_log_probs, batch.ref_log_probs, batch.mask,
-                                          kl_coef=cfg.kl_coef)
-        # reinforce_pp_advantages, with the whitening statistics of every rank
-        batch.advantages = whiten_over_ranks(discounted_returns(scores, batch.mask, gamma=cfg.gamma), batch.mask)
+            group_size = self.group_size  # NaN rewards are left out of the group mean
+        else:
+            rewards = rewards.nan_to_num(0.0)  # no baseline to leave a NaN out of: it counts as 0
+        if self._kl_in_reward:  # center first, then shape (reinforce_pp_advantages' Note)
+            if group_size is not None:
+                rewards, group_size = group_advantages(rewards, group_size=group_size, scale="none"), None
+            rewards = kl_penalized_rewards(rewards, batch.old_log_probs, batch.ref_log_probs, batch.mask,
+                                           kl_coef=cfg.kl_coef)
+        batch.advantages = reinforce_pp_advantages(rewards, batch.mask, gamma=cfg.gamma, group_size=group_size,
+                                                   sum_over_ranks=sum_over_ranks)  # whitened over all ranks
 
     def compute_loss(self, batch: Batch):
         cfg = self.config

@@ -7,7 +7,7 @@ One step, top to bottom (:meth:`RLTrainer.train_step`):
 3. reference (and, when the algorithm needs them first, old) log-probs, no grad;
 4. ``algorithm.prepare`` (advantages, values...);
 5. ``num_iterations`` optimizer steps, each over every micro-batch with exact aggregation;
-6. metrics (reduced over processes as sums and counts), logging, checkpoint.
+6. metrics (reduced over processes as sums and counts, maxima and minima), logging, checkpoint.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from torchforge.distributed import (
     DistributedConfig,
     barrier,
     init_distributed,
-    is_distributed,
     is_main_process,
     rank,
+    reduce_metric_extrema,
     reduce_metric_sums,
     shard,
     world_size,
@@ -53,6 +53,7 @@ from torchforge.loop import (
     rollout,
 )
 from torchforge.loop.rewards import score_rewards
+from torchforge.loop.update import metric_reduction
 from torchforge.reduce import Aggregation, masked_mean
 from torchforge.trainer import episodes
 from torchforge.trainer.algorithms import Algorithm, algorithm_from_name
@@ -438,13 +439,17 @@ class RLTrainer:
             sums[f"{name}_sum"] = values.sum()
             sums[f"{name}_sq"] = (values ** 2).sum()
             sums[f"{name}_n"] = valid.float().sum()
+        maxima = {"completions/max_length": lengths.max() if len(lengths) else torch.tensor(0.0)}
+        minima: dict[str, torch.Tensor] = {}
         for key, value in loss_metrics.items():
-            sums[f"tok/{key}"] = value * tokens  # local token means -> token sums
+            kind = metric_reduction(key)  # ratio_max: a max over micro-batches and processes, not a mean
+            if kind == "mean":
+                sums[f"tok/{key}"] = value * tokens  # local token means -> token sums
+            else:
+                (maxima if kind == "max" else minima)[key] = value
         total = {k: float(v) for k, v in reduce_metric_sums(sums).items()}
-        max_length = lengths.max() if len(lengths) else torch.tensor(0.0)
-        if is_distributed():
-            max_length = max_length.to(self.device)
-            torch.distributed.all_reduce(max_length, op=torch.distributed.ReduceOp.MAX)
+        # +-inf: no process counted a token; such an extreme is logged as 0, as the losses' empty-mask metrics
+        extrema = {k: float(v) if math.isfinite(v) else 0.0 for k, v in reduce_metric_extrema(maxima, minima).items()}
 
         def mean_std(prefix: str) -> tuple[float, float]:
             n = total[f"{prefix}_n"]
@@ -463,10 +468,10 @@ class RLTrainer:
         for key in loss_metrics:
             if key == "kl" and self.ref_model is None:
                 continue  # no reference policy: a KL of 0 would be a made-up number
-            out[key] = total[f"tok/{key}"] / n_tokens
+            out[key] = total[f"tok/{key}"] / n_tokens if f"tok/{key}" in total else extrema[key]
         out["loss"] = total["_loss"] / world_size()
         out["completions/mean_length"] = total["completions/_length_sum"] / total["_sequences"]
-        out["completions/max_length"] = float(max_length)
+        out["completions/max_length"] = extrema["completions/max_length"]
         out["completions/clipped_ratio"] = total["completions/_truncated"] / total["_sequences"]
         out["grad_norm"] = grad_norm
         out["learning_rate"] = self.scheduler.get_last_lr()[0]
