@@ -62,7 +62,7 @@ class AskThenCopy(Environment):
                 return StepResult(f"{self.digits}=", self.ASK_REWARD, False)
             return StepResult(None, 0.0, True)
         hits = sum(a == b for a, b in zip(action, self.digits))
-        return StepResult(None, self.COPY_REWARD * hits / len(self.digits), True)
+        return StepResult(None, hits / len(self.digits) * self.COPY_REWARD, True)
 
 
 def multi_turn_demo_config(**overrides: Any) -> RLConfig:
