@@ -1,127 +1,251 @@
-"""Benchmark: forward + backward of the PPO clipped loss on [B, T] = [256, 4096].
+"""Benchmark: forward + backward of the policy losses on [B, T] = [256, 4096] float32.
 
-Variants, side by side in one process, interleaved (A B C ... A B C ...), medians:
+Side by side in one process, interleaved (A B C ... A B C ...), medians:
 
-- ``torchforge``: ``torchforge.losses.ppo_loss`` (token-mean, all its metrics);
-- ``minimal``: the hand-written formula, loss only, float-mask multiplication;
-- ``trl-style``: the per-token computation and reductions of TRL's GRPO loss
-  (exp of the log-ratio, two coefficients, -min, masked sum / count; low / high / region
-  clip fractions with float-mask means, read back with ``.item()``);
-- ``verl-style``: verl's ``compute_policy_loss`` (log-ratio clamped at +-20, k1 ``ppo_kl``,
-  dual-clip always on (c = 3) as in its default, [B, T] advantages, masked means with
-  ``+ 1e-8``);
-- ``torchrl-style``: TorchRL's ``ClipPPOLoss`` objective (clamp in log space, gains
-  stacked and min-reduced, clip fraction, kl_approx, effective sample size via
-  logsumexp, masked selection before the mean).
+PPO (``ppo_loss``, token-mean, all its metrics) and GRPO (``grpo_loss``, k3 KL with
+coefficient 0.04, all its metrics) against:
 
-The three peer formulations are re-implementations written for this benchmark, following
-those libraries' published per-token computations; they are not their code.
+- ``minimal``: the textbook formula, loss only, float-mask multiplication (GRPO: plus the
+  plain k3 term);
+- ``trl-style``: the per-token computation and reductions of TRL's GRPO loss (exp of the
+  log-ratio, two coefficients, -min, masked sum / count; low / high / region clip
+  fractions with float-mask means, read back with ``.item()``; GRPO: its k3 and mean KL);
+- ``verl-style``: verl's ``compute_policy_loss`` (log-ratio clamped at +-20, k1
+  ``ppo_kl``, dual-clip always on (c = 3) as in its default, [B, T] advantages, masked
+  means with ``+ 1e-8``; GRPO: plus ``low_var_kl`` clamped at +-10);
+- ``torchrl-style`` (PPO only): TorchRL's ``ClipPPOLoss`` objective (clamp in log space,
+  gains stacked and min-reduced, clip fraction, kl_approx, effective sample size via
+  logsumexp, masked selection before the mean);
+- ``before`` (with ``--before DIR``): the same function imported from an older copy of
+  ``torchforge/losses.py`` saved as ``DIR/old_losses.py`` (its KL from ``DIR/old_kl.py``),
+  to record a change before and after in one run.
 
-Every variant runs eagerly and under ``torch.compile`` (``--no-compile`` skips it).
-Reported: median ms, ratio to torchforge, and the bytes autograd saves for the backward
-(a device-independent proxy for peak memory; CUDA also reports the peak allocated).
+The new losses against their naive form (a direct re-implementation of the published
+per-token computation, as verl writes it: ``nonzero`` / ``randperm`` / ``topk`` with a
+``.item()`` count): ``sapo_loss``, ``gmpo_loss``, ``clip_cov_loss``, ``kl_cov_loss``.
 
-Usage: python benchmarks/bench_losses.py [--quick] [--no-compile] [--device cuda] [--threads N]
+The peer formulations are re-implementations written for this benchmark, following those
+libraries' published per-token computations; they are not their code.
+
+PPO and GRPO also run under ``torch.compile(fullgraph=True)`` (torchforge, before,
+minimal; ``--no-compile`` skips it). Reported: median ms, ratio to the minimal formula
+and to torchforge (same mode), and the bytes autograd saves for the backward (a
+device-independent proxy for peak memory; CUDA also reports the peak allocated).
+
+Usage: python benchmarks/bench_losses.py [--quick] [--no-compile] [--before DIR] [--device cuda] [--threads N]
 Writes benchmarks/results/losses.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from torchforge.losses import ppo_loss
+from torchforge.losses import (
+    clip_cov_loss,
+    gmpo_loss,
+    grpo_loss,
+    kl_cov_loss,
+    ppo_loss,
+    sapo_loss,
+)
 
 CLIP = 0.2
+BETA = 0.04
 
 
-# --- the formulations -------------------------------------------------------------------
+# --- PPO --------------------------------------------------------------------------------
 
-def torchforge_style(lp, old, adv, mask, maskf, adv_tok):
-    loss, metrics = ppo_loss(lp, old, adv, mask, clip_low=CLIP)
-    return loss, metrics
+def ppo_torchforge(lp, d):
+    return ppo_loss(lp, d["old"], d["adv"], d["mask"], clip_low=CLIP)
 
 
-def minimal(lp, old, adv, mask, maskf, adv_tok):
-    ratio = torch.exp(lp - old)
-    a = adv[:, None]
+def ppo_minimal(lp, d):
+    ratio = torch.exp(lp - d["old"])
+    a = d["adv"][:, None]
     pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - CLIP, 1 + CLIP))
-    return (pg * maskf).sum() / maskf.sum(), {}
+    return (pg * d["maskf"]).sum() / d["maskf"].sum(), {}
 
 
-def trl_style(lp, old, adv, mask, maskf, adv_tok):
-    log_ratio = lp - old
-    coef_1 = torch.exp(log_ratio)
+def _trl_terms(lp, d):
+    coef_1 = torch.exp(lp - d["old"])
     coef_2 = torch.clamp(coef_1, 1 - CLIP, 1 + CLIP)
-    a = adv.unsqueeze(1)
+    a = d["adv"].unsqueeze(1)
     per_token_loss = -torch.min(coef_1 * a, coef_2 * a)
-    loss = (per_token_loss * maskf).sum() / maskf.sum().clamp(min=1.0)
     with torch.no_grad():
         is_low = (coef_1 < 1 - CLIP) & (a < 0)
         is_high = (coef_1 > 1 + CLIP) & (a > 0)
         region = is_low | is_high
-
-        def masked_batch_mean(x):
-            return (x * maskf).sum() / maskf.sum()
-        metrics = {k: masked_batch_mean(v.float()).item()
+        maskf = d["maskf"]
+        metrics = {k: ((v.float() * maskf).sum() / maskf.sum()).item()
                    for k, v in (("low_clip", is_low), ("high_clip", is_high), ("clip_ratio", region))}
-    return loss, metrics
+    return per_token_loss, metrics
 
 
-def verl_style(lp, old, adv, mask, maskf, adv_tok):
-    def masked_mean(x, m):
-        return (x * m).sum() / (m.sum() + 1e-8)
-    negative_approx_kl = torch.clamp(lp - old, min=-20.0, max=20.0)
+def ppo_trl(lp, d):
+    per_token_loss, metrics = _trl_terms(lp, d)
+    maskf = d["maskf"]
+    return (per_token_loss * maskf).sum() / maskf.sum().clamp(min=1.0), metrics
+
+
+def _verl_terms(lp, d):
+    maskf, adv_tok = d["maskf"], d["adv_tok"]
+
+    def masked_mean(x):
+        return (x * maskf).sum() / (maskf.sum() + 1e-8)
+    negative_approx_kl = torch.clamp(lp - d["old"], min=-20.0, max=20.0)
     ratio = torch.exp(negative_approx_kl)
-    ppo_kl = masked_mean(-negative_approx_kl, maskf)
+    ppo_kl = masked_mean(-negative_approx_kl)
     pg_losses1 = -adv_tok * ratio
     pg_losses2 = -adv_tok * torch.clamp(ratio, 1 - CLIP, 1 + CLIP)
     clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
-    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), maskf)
+    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float())
     pg_losses3 = -adv_tok * 3.0
     clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
-    pg_clipfrac_lower = masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (adv_tok < 0).float(), maskf)
+    pg_clipfrac_lower = masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (adv_tok < 0).float())
     pg_losses = torch.where(adv_tok < 0, clip_pg_losses2, clip_pg_losses1)
-    loss = masked_mean(pg_losses, maskf)
-    return loss, {"ppo_kl": ppo_kl.detach(), "clipfrac": pg_clipfrac.detach(), "clipfrac_lower": pg_clipfrac_lower.detach()}
+    metrics = {"ppo_kl": ppo_kl.detach(), "clipfrac": pg_clipfrac.detach(), "clipfrac_lower": pg_clipfrac_lower.detach()}
+    return pg_losses, metrics, masked_mean
 
 
-def torchrl_style(lp, old, adv, mask, maskf, adv_tok):
-    log_weight = (lp - old).unsqueeze(-1)
-    advantage = adv_tok.unsqueeze(-1)
+def ppo_verl(lp, d):
+    pg_losses, metrics, masked_mean = _verl_terms(lp, d)
+    return masked_mean(pg_losses), metrics
+
+
+def ppo_torchrl(lp, d):
+    log_weight = (lp - d["old"]).unsqueeze(-1)
+    advantage = d["adv_tok"].unsqueeze(-1)
     gain1 = log_weight.exp() * advantage
     log_weight_clip = log_weight.clamp(torch.log(torch.tensor(1 - CLIP)).item(), torch.log(torch.tensor(1 + CLIP)).item())
     clip_fraction = (log_weight_clip != log_weight).to(log_weight.dtype).mean()
-    ratio = log_weight_clip.exp()
-    gain2 = ratio * advantage
+    gain2 = log_weight_clip.exp() * advantage
     gain = torch.stack([gain1, gain2], -1).min(dim=-1).values
     with torch.no_grad():
         lw = log_weight.squeeze(-1)
         ess = (2 * lw.logsumexp(0) - (2 * lw).logsumexp(0)).exp().mean() / lw.shape[0]
-        kl_approx = (old - lp).detach().mean()
-    loss = (-gain).squeeze(-1)[mask].mean()
+        kl_approx = (d["old"] - lp).detach().mean()
+    loss = (-gain).squeeze(-1)[d["mask"]].mean()
     return loss, {"clip_fraction": clip_fraction.detach(), "kl_approx": kl_approx, "ESS": ess}
 
 
-VARIANTS = {
-    "torchforge": torchforge_style,
-    "minimal": minimal,
-    "trl-style": trl_style,
-    "verl-style": verl_style,
-    "torchrl-style": torchrl_style,
-}
+# --- GRPO -------------------------------------------------------------------------------
+
+def grpo_torchforge(lp, d):
+    return grpo_loss(lp, d["old"], d["adv"], d["mask"], d["ref"], kl_coef=BETA, clip_low=CLIP)
+
+
+def grpo_minimal(lp, d):
+    ratio = torch.exp(lp - d["old"])
+    a = d["adv"][:, None]
+    pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - CLIP, 1 + CLIP))
+    x = d["ref"] - lp
+    kl = torch.exp(x) - x - 1
+    return ((pg + BETA * kl) * d["maskf"]).sum() / d["maskf"].sum(), {}
+
+
+def grpo_trl(lp, d):
+    per_token_loss, metrics = _trl_terms(lp, d)
+    maskf = d["maskf"]
+    per_token_kl = torch.exp(d["ref"] - lp) - (d["ref"] - lp) - 1
+    per_token_loss = per_token_loss + BETA * per_token_kl
+    metrics["kl"] = ((per_token_kl.detach() * maskf).sum() / maskf.sum().clamp(min=1.0)).item()
+    return (per_token_loss * maskf).sum() / maskf.sum().clamp(min=1.0), metrics
+
+
+def grpo_verl(lp, d):
+    pg_losses, metrics, masked_mean = _verl_terms(lp, d)
+    kl = torch.clamp(d["ref"] - lp, min=-20, max=20)
+    kld = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+    metrics["kl_loss"] = masked_mean(kld).detach()
+    return masked_mean(pg_losses) + BETA * masked_mean(kld), metrics
+
+
+# --- the new losses and their naive forms ------------------------------------------------
+
+def sapo_torchforge(lp, d):
+    return sapo_loss(lp, d["old"], d["adv"], d["mask"])
+
+
+def sapo_naive(lp, d):
+    ratio = torch.exp(lp - d["old"])
+    a = d["adv_tok"]
+    tau = torch.where(a > 0, 1.0, 1.05)
+    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
+    return (-gate * a * d["maskf"]).sum() / d["maskf"].sum(), {}
+
+
+def gmpo_torchforge(lp, d):
+    return gmpo_loss(lp, d["old"], d["adv"], d["mask"])
+
+
+def gmpo_naive(lp, d):
+    maskf, a = d["maskf"], d["adv_tok"]
+    x = lp - d["old"]
+    sgn = torch.sign(a)
+    x_min = sgn * torch.min(sgn * x, sgn * torch.clamp(x, -0.4, 0.4))
+    n = maskf.sum(-1)
+    ratio = torch.exp((x_min * maskf).sum(-1) / (n + 1e-8))
+    adv = (a * maskf).sum(-1) / (n + 1e-8)
+    return torch.mean(-adv * ratio), {}
+
+
+def clip_cov_torchforge(lp, d):
+    return clip_cov_loss(lp, d["old"], d["adv"], d["mask"], generator=d["gen"])
+
+
+def clip_cov_naive(lp, d):
+    maskf, a, mask = d["maskf"], d["adv_tok"], d["mask"]
+
+    def mm(x):
+        return (x * maskf).sum() / maskf.sum()
+    ratio = torch.exp(lp - d["old"])
+    pg1 = -a * ratio
+    pg2 = -a * torch.clamp(ratio, 1 - CLIP, 1 + CLIP)
+    clip_by_origin = (pg2 > pg1) & mask
+    cov = (a - mm(a)) * (lp - mm(lp.detach()))
+    cov[~mask] = -torch.inf
+    cov[clip_by_origin] = -torch.inf
+    clip_num = max(int(2e-4 * maskf.sum().item()), 1)
+    idx = torch.nonzero((cov < 5.0) & (cov > 1.0) & mask)
+    corr = torch.ones_like(a)
+    if len(idx) > 0:
+        idx = idx[torch.randperm(len(idx), generator=d["gen"])[:clip_num]]
+        corr[idx[:, 0], idx[:, 1]] = 0
+    return mm(torch.maximum(pg1, pg2) * corr), {}
+
+
+def kl_cov_torchforge(lp, d):
+    return kl_cov_loss(lp, d["old"], d["adv"], d["mask"])
+
+
+def kl_cov_naive(lp, d):
+    maskf, a, mask = d["maskf"], d["adv_tok"], d["mask"]
+    x = lp - d["old"]
+    pg = -a * torch.exp(x)
+    pg_kl = pg + 1.0 * x.abs()
+    valid = torch.nonzero(mask.reshape(-1), as_tuple=True)[0]
+    va, vl = a[mask].detach(), lp[mask].detach()
+    cov = (va - va.mean()) * (vl - vl.mean())
+    k = max(1, int(len(cov) * 2e-4))
+    top = valid[torch.topk(cov, k).indices]
+    pg = pg.reshape(-1).clone()
+    pg[top] = pg_kl.reshape(-1)[top]
+    return (pg.view_as(maskf) * maskf).sum() / maskf.sum(), {}
 
 
 # --- measurement ------------------------------------------------------------------------
 
-def saved_bytes(fn, inputs, lp0):
+def saved_bytes(fn, lp0, d):
     """Bytes autograd keeps for the backward (tensors seen by save_for_backward)."""
     total = 0
 
@@ -131,16 +255,16 @@ def saved_bytes(fn, inputs, lp0):
         return t
     lp = lp0.clone().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, _ = fn(lp, *inputs)
+        loss, _ = fn(lp, d)
     loss.backward()
     return total
 
 
-def step(fn, lp0, inputs, sync):
+def step(fn, lp0, d, sync):
     lp = lp0.clone().requires_grad_()
     sync()
     start = time.perf_counter()
-    loss, _ = fn(lp, *inputs)
+    loss, _ = fn(lp, d)
     loss.backward()
     sync()
     return (time.perf_counter() - start) * 1e3
@@ -148,18 +272,24 @@ def step(fn, lp0, inputs, sync):
 
 def machine() -> str:
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in
-                   subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-                   if line.startswith("Model name"))
+        return next(line.split(":", 1)[1].strip() for line in
+                    subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout.splitlines()
+                    if line.startswith("Model name"))
     except (StopIteration, FileNotFoundError):
-        cpu = platform.processor() or "unknown CPU"
-    return cpu
+        return platform.processor() or "unknown CPU"
+
+
+def load_before(directory: str):
+    """``old_losses`` from ``directory`` (an older copy of torchforge/losses.py)."""
+    sys.path.insert(0, str(Path(directory).resolve()))
+    return importlib.import_module("old_losses")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shape, few repeats")
     parser.add_argument("--no-compile", action="store_true", help="eager only")
+    parser.add_argument("--before", default=None, help="folder holding old_losses.py (and old_kl.py)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None,
@@ -173,71 +303,98 @@ def main():
     B, T = (32, 1024) if args.quick else (256, 4096)
     repeats = args.repeats or (5 if args.quick else 21)
     g = torch.Generator().manual_seed(0)
-    old = (-torch.rand(B, T, generator=g) * 3).to(device)
-    lp0 = (old.cpu() + 0.1 * torch.randn(B, T, generator=g)).to(device)
+    old = -torch.rand(B, T, generator=g) * 3
+    lp0 = (old + 0.1 * torch.randn(B, T, generator=g)).to(device)
+    ref = (old + 0.1 * torch.randn(B, T, generator=g)).to(device)
     adv = torch.randn(B, generator=g).to(device)
     lengths = torch.randint(T // 4, T + 1, (B,), generator=g)
     mask = (torch.arange(T)[None, :] < lengths[:, None]).to(device)
-    maskf = mask.float()
-    adv_tok = adv[:, None].expand(B, T).contiguous()  # verl / TorchRL carry per-token advantages
-    inputs = (old, adv, mask, maskf, adv_tok)
+    d = {"old": old.to(device), "ref": ref, "adv": adv, "mask": mask, "maskf": mask.float(),
+         "adv_tok": adv[:, None].expand(B, T).contiguous(),  # verl / TorchRL carry per-token advantages
+         "gen": torch.Generator(device=device).manual_seed(0)}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    # Same value from every formulation (the loss; their metrics differ by design).
-    reference = ppo_loss(lp0, old, adv, mask)[0]
-    for name, fn in VARIANTS.items():
-        value = fn(lp0.clone().requires_grad_(), *inputs)[0]
-        assert torch.allclose(value.detach(), reference, rtol=1e-4, atol=1e-6), (name, value, reference)
+    groups = {
+        "ppo_loss": {"torchforge": ppo_torchforge, "minimal": ppo_minimal, "trl-style": ppo_trl,
+                     "verl-style": ppo_verl, "torchrl-style": ppo_torchrl},
+        "grpo_loss": {"torchforge": grpo_torchforge, "minimal": grpo_minimal, "trl-style": grpo_trl,
+                      "verl-style": grpo_verl},
+        "sapo_loss": {"torchforge": sapo_torchforge, "naive": sapo_naive},
+        "gmpo_loss": {"torchforge": gmpo_torchforge, "naive": gmpo_naive},
+        "clip_cov_loss": {"torchforge": clip_cov_torchforge, "naive": clip_cov_naive},
+        "kl_cov_loss": {"torchforge": kl_cov_torchforge, "naive": kl_cov_naive},
+    }
+    if args.before:
+        old_losses = load_before(args.before)
+        groups["ppo_loss"]["before"] = lambda lp, d: old_losses.ppo_loss(lp, d["old"], d["adv"], d["mask"], clip_low=CLIP)
+        groups["grpo_loss"]["before"] = lambda lp, d: old_losses.grpo_loss(
+            lp, d["old"], d["adv"], d["mask"], d["ref"], kl_coef=BETA, clip_low=CLIP)
 
-    runs = {(name, "eager"): fn for name, fn in VARIANTS.items()}
+    # Same loss value from every formulation (their metrics differ by design); the
+    # verl-style PPO has dual-clip on, which changes nothing at these ratios.
+    for group, variants in groups.items():
+        reference = variants["torchforge"](lp0, d)[0].detach()
+        for name, fn in variants.items():
+            if group == "clip_cov_loss":  # a random draw of 2e-4 of the tokens: close, not equal
+                continue
+            value = fn(lp0.clone().requires_grad_(), d)[0].detach()
+            assert torch.allclose(value, reference, rtol=1e-4, atol=1e-6), (group, name, value, reference)
+
+    runs = {(group, name, "eager"): fn for group, variants in groups.items() for name, fn in variants.items()}
     if not args.no_compile:
-        for name, fn in VARIANTS.items():
-            if name == "trl-style":  # .item() in the metrics is a graph break by construction
-                runs[(name, "compiled")] = torch.compile(fn)
-            else:
-                runs[(name, "compiled")] = torch.compile(fn, fullgraph=True)
+        for group in ("ppo_loss", "grpo_loss"):
+            for name in ("torchforge", "minimal", "before"):
+                if name in groups[group]:
+                    runs[(group, name, "compiled")] = torch.compile(groups[group][name], fullgraph=True)
     times = {key: [] for key in runs}
     for key, fn in runs.items():  # warm-up (and compilation)
         for _ in range(2):
-            step(fn, lp0, inputs, sync)
+            step(fn, lp0, d, sync)
     for _ in range(repeats):  # interleaved
         for key, fn in runs.items():
-            times[key].append(step(fn, lp0, inputs, sync))
+            times[key].append(step(fn, lp0, d, sync))
     peak = {}
     if device.type == "cuda":
         for key, fn in runs.items():
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            step(fn, lp0, inputs, sync)
+            step(fn, lp0, d, sync)
             peak[key] = (torch.cuda.max_memory_allocated() - base) / 2**20
-
     medians = {key: statistics.median(v) for key, v in times.items()}
+    saved = {(group, name): saved_bytes(fn, lp0, d) / 2**20
+             for group, variants in groups.items() for name, fn in variants.items()}
+
+    where = torch.cuda.get_device_name() if device.type == "cuda" else machine()
     lines = [
-        "## Losses: ppo_loss forward + backward",
+        "## Losses: forward + backward (benchmarks/bench_losses.py)",
         "",
-        f"Shape [B, T] = [{B}, {T}], float32, token-mean, ~60% of tokens counted; "
-        f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else machine()}), "
-        f"{os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}; median of {repeats} interleaved runs.",
+        (f"Machine: {where}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+         f"device {device}. Shape [B, T] = [{B}, {T}], float32, token-mean, ~60% of tokens counted; "
+         f"median of {repeats} interleaved runs."),
         "",
-        "| variant | mode | median ms | x torchforge (same mode) | saved for backward, eager (MiB) |"
+        "| loss | variant | mode | median ms | x minimal / naive | x torchforge | saved for backward, eager (MiB) |"
         + (" peak CUDA MiB |" if peak else ""),
-        "| --- | --- | ---: | ---: | ---: |" + (" ---: |" if peak else ""),
+        "| --- | --- | --- | ---: | ---: | ---: | ---: |" + (" ---: |" if peak else ""),
     ]
-    saved = {name: saved_bytes(fn, inputs, lp0) / 2**20 for name, fn in VARIANTS.items()}
-    for key, ms in medians.items():
-        name, mode = key
-        ratio = ms / medians[("torchforge", mode)]
-        row = f"| {name} | {mode} | {ms:.2f} | {ratio:.2f} | {saved[name]:.1f} |"
+    for (group, name, mode), ms in medians.items():
+        base_name = "minimal" if (group, "minimal", mode) in medians else "naive"
+        base = medians.get((group, base_name, mode))
+        ratio_base = f"{ms / base:.2f}" if base else "-"
+        row = (f"| {group} | {name} | {mode} | {ms:.2f} | {ratio_base} | "
+               f"{ms / medians[(group, 'torchforge', mode)]:.2f} | {saved[(group, name)]:.1f} |")
         if peak:
-            row += f" {peak[key]:.1f} |"
+            row += f" {peak[(group, name, mode)]:.1f} |"
         lines.append(row)
     lines += [
         "",
-        "torchforge computes all its metrics (clip fractions low / high, k3 approx KL, ratio "
-        "mean / min / max) inside the timed region; `minimal` computes the loss only. "
-        "The peers compute their own metrics as their libraries do. Under torch.compile "
-        "ppo_loss uses plain autograd ops (the compiler fuses them); eagerly it uses a "
-        "custom backward that saves one [B, T] tensor.",
+        ("torchforge computes all its metrics inside the timed region (PPO: clip fractions low / "
+         "high, k3 approx KL, ratio mean / min / max; GRPO: those and the mean KL); `minimal` "
+         "computes the loss only; the peers compute their own metrics as their libraries do. "
+         "`before` is the previous losses.py (hand-written backward, a separate path under "
+         "torch.compile) when the run was given `--before`."),
+        "",
+        (f"Run: `python benchmarks/bench_losses.py{' --threads ' + str(args.threads) if args.threads else ''}"
+         f"{' --before DIR' if args.before else ''}`."),
         "",
     ]
     text = "\n".join(lines)

@@ -195,27 +195,38 @@ def policy_ratio(
     return torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
 
 
-def _ratio_metrics(log_ratio, ratio, mask, max_log_ratio: float) -> dict[str, torch.Tensor]:
-    """``approx_kl``, ``ratio_mean``, ``ratio_min``, ``ratio_max`` over the counted tokens.
+def _ratio_metrics(log_ratio, ratio, mask, count, max_log_ratio: float, *, token_ratio=None) -> dict[str, torch.Tensor]:
+    """``approx_kl``, ``ratio_mean``, ``ratio_min``, ``ratio_max`` over the ``count``
+    counted tokens.
 
     ``approx_kl`` is the k3 estimate of KL(pi_old || pi) on tokens sampled from pi_old,
     ``mean(exp(log_ratio) - 1 - log_ratio)``, from the *token* log-ratio whatever the
-    ratio the loss weighs by; the ratio statistics are those of ``ratio`` ([B, T] or [B, 1]).
+    ratio the loss weighs by (``token_ratio``, its exp, when the caller has it); the
+    ratio statistics are those of ``ratio`` ([B, T] or [B, 1]).
     """
     token_lr = log_ratio.detach().clamp(-max_log_ratio, max_log_ratio)
+    token_ratio = torch.exp(token_lr) if token_ratio is None else token_ratio.detach()
     ratio = ratio.detach().expand(mask.shape)
-    count = mask.sum().clamp(min=1)
     return {
-        "approx_kl": masked_sum(torch.expm1(token_lr) - token_lr, mask) / count,
+        "approx_kl": masked_sum(token_ratio - 1 - token_lr, mask) / count,
         "ratio_mean": masked_sum(ratio, mask) / count,
         "ratio_min": masked_min(ratio, mask),
         "ratio_max": masked_max(ratio, mask),
     }
 
 
-def _frac(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Fraction of the counted tokens where the bool ``flags`` ([B, T] or [B, 1]) hold."""
-    return masked_mean(flags.expand(mask.shape).float(), mask)
+def _frac(flags: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Fraction of the ``count`` counted tokens where the bool ``flags`` ([B, T] or [B, 1]) hold."""
+    return masked_sum(flags.expand(mask.shape).float(), mask) / count
+
+
+def _frac_by_sign(flags: torch.Tensor, A: torch.Tensor, mask: torch.Tensor, count: torch.Tensor):
+    """``(_frac(flags & (A < 0)), _frac(flags & (A > 0)))``; one [B, T] pass when ``A`` is [B, 1]."""
+    if A.shape[-1] == 1:
+        per_row = masked_sum(flags.float(), mask, dim=-1)
+        A = A.squeeze(-1)
+        return (per_row * (A < 0)).sum() / count, (per_row * (A > 0)).sum() / count
+    return _frac(flags & (A < 0), mask, count), _frac(flags & (A > 0), mask, count)
 
 
 # --- the PPO surrogate -----------------------------------------------------------------
@@ -245,14 +256,13 @@ def _ppo_per_token(fn, log_probs, old_log_probs, advantages, mask, weights, *,
         # A token is clipped when the clip takes its gradient: ratio < 1 - clip_low with
         # A < 0, ratio > 1 + clip_high with A > 0; the dual clip: ratio > c with A < 0.
         # (pg_loss2 > pg_loss1 is exactly "the clip is active"; False where masked.)
-        clipped = pg_loss2 > pg_loss1
-        metrics = {
-            "clip_frac_low": _frac(clipped & (A < 0), mask),
-            "clip_frac_high": _frac(clipped & (A > 0), mask),
-        }
+        count = mask.sum().clamp(min=1)
+        clip_frac_low, clip_frac_high = _frac_by_sign(pg_loss2 > pg_loss1, A, mask, count)
+        metrics = {"clip_frac_low": clip_frac_low, "clip_frac_high": clip_frac_high}
         if dual_clip is not None:
-            metrics["dual_clip_frac"] = _frac((ratio > dual_clip) & (A < 0), mask)
-        metrics.update(_ratio_metrics(log_ratio, ratio, mask, max_log_ratio))
+            metrics["dual_clip_frac"] = _frac_by_sign(ratio > dual_clip, A, mask, count)[0]
+        token_ratio = ratio if ratio_level == "token" else None
+        metrics.update(_ratio_metrics(log_ratio, ratio, mask, count, max_log_ratio, token_ratio=token_ratio))
     return pg_loss, metrics
 
 
@@ -572,11 +582,12 @@ def cispo_loss(
         pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs, mask)
 
     with torch.no_grad():
+        count = mask.sum().clamp(min=1)
         metrics = {
-            "clip_frac_low": _frac(ratio < 1 - clip_low, mask),
-            "clip_frac_high": _frac(ratio > 1 + clip_high, mask),
+            "clip_frac_low": _frac(ratio < 1 - clip_low, mask, count),
+            "clip_frac_high": _frac(ratio > 1 + clip_high, mask, count),
         }
-        metrics.update(_ratio_metrics(log_ratio, ratio, mask, max_log_ratio))
+        metrics.update(_ratio_metrics(log_ratio, ratio, mask, count, max_log_ratio, token_ratio=ratio))
     return _aggregate(fn, pg_loss, mask, aggregation), metrics
 
 
@@ -656,9 +667,10 @@ def sapo_loss(
         pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs, mask)
 
     with torch.no_grad():
+        count = mask.sum().clamp(min=1)
         s = torch.sigmoid(tau * (ratio - 1))
-        metrics = {"gate_weight_mean": masked_mean((4 * s * (1 - s)).expand(mask.shape), mask)}
-        metrics.update(_ratio_metrics(log_ratio, ratio, mask, max_log_ratio))
+        metrics = {"gate_weight_mean": masked_sum((4 * s * (1 - s)).expand(mask.shape), mask) / count}
+        metrics.update(_ratio_metrics(log_ratio, ratio, mask, count, max_log_ratio, token_ratio=ratio))
     return _aggregate(fn, pg_loss, mask, aggregation), metrics
 
 
@@ -740,11 +752,12 @@ def gmpo_loss(
     pg_loss = (-seq_A * ratio).expand(mask.shape)
 
     with torch.no_grad():
+        count = mask.sum().clamp(min=1)
         metrics = {
-            "clip_frac_low": _frac((log_ratio < -clip_low) & (A < 0), mask),
-            "clip_frac_high": _frac((log_ratio > clip_high) & (A > 0), mask),
+            "clip_frac_low": _frac((log_ratio < -clip_low) & (A < 0), mask, count),
+            "clip_frac_high": _frac((log_ratio > clip_high) & (A > 0), mask, count),
         }
-        metrics.update(_ratio_metrics(log_ratio, ratio, mask, max_log_ratio))
+        metrics.update(_ratio_metrics(log_ratio, ratio, mask, count, max_log_ratio))
     return _aggregate(fn, pg_loss, mask, aggregation), metrics
 
 
@@ -755,20 +768,24 @@ def _covariance(A, log_probs, mask) -> torch.Tensor:
     return (A - masked_mean(A, mask)) * (lp - masked_mean(lp, mask))
 
 
-def _first_k(keys: torch.Tensor, selectable: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def _first_k(keys: torch.Tensor, selectable: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
     """Bool [B, T]: the ``k`` selectable positions with the smallest ``keys`` (all of them
-    if fewer), by a sort instead of ``topk`` so that ``k`` may be a tensor (no sync)."""
+    if fewer). ``k`` is a tensor (no device sync); ``k_max >= k`` is known from the shape,
+    so one ``topk`` of ``k_max`` does it."""
     keys = torch.where(selectable, keys, torch.inf).flatten()
-    order = torch.argsort(keys, stable=True)
-    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return selectable & (rank.view(selectable.shape) < k)
+    k_max = min(k_max, keys.numel())
+    index = torch.topk(keys, k_max, largest=False, sorted=True).indices
+    chosen = torch.zeros_like(keys, dtype=torch.bool)
+    chosen[index] = torch.arange(k_max, device=keys.device) < k
+    return selectable & chosen.view(selectable.shape)
 
 
-def _selection_count(fn, select_frac, mask) -> torch.Tensor:
-    """``max(floor(select_frac * N), 1)`` with N the counted tokens (a tensor: no sync)."""
+def _selection_count(fn, select_frac, mask) -> tuple[torch.Tensor, int]:
+    """``k = max(floor(select_frac * N), 1)`` with N the counted tokens (a tensor: no
+    sync), and its bound from the shape, ``max(floor(select_frac * B * T), 1)``."""
     if not 0 < select_frac <= 1:
         raise InvalidArgumentError(f"{fn}: select_frac must be in (0, 1], got {select_frac}")
-    return torch.floor(select_frac * mask.sum()).clamp(min=1)
+    return torch.floor(select_frac * mask.sum()).clamp(min=1), max(int(select_frac * mask.numel()), 1)
 
 
 @batch_args
@@ -844,7 +861,7 @@ def clip_cov_loss(
     )
     if not cov_low < cov_high:
         raise InvalidArgumentError(f"{fn}: cov_low must be < cov_high, got cov_low={cov_low}, cov_high={cov_high}")
-    k = _selection_count(fn, select_frac, mask)
+    k, k_max = _selection_count(fn, select_frac, mask)
     with torch.no_grad():
         A = _per_token(fn, "advantages", advantages, log_probs, mask)
         cov = _covariance(A, log_probs, mask)
@@ -853,8 +870,8 @@ def clip_cov_loss(
         clipped = ((ratio < 1 - clip_low) & (A < 0)) | ((ratio > 1 + clip_high) & (A > 0))
         candidates = mask & ~clipped & (cov > cov_low) & (cov < cov_high)
         draw = torch.rand(mask.shape, generator=generator, device=log_probs.device)
-        detached = _first_k(draw, candidates, k)
-        metrics["cov_clip_frac"] = _frac(detached, mask)
+        detached = _first_k(draw, candidates, k, k_max)
+        metrics["cov_clip_frac"] = _frac(detached, mask, mask.sum().clamp(min=1))
     pg_loss = torch.where(detached, pg_loss.detach(), pg_loss)
     return _aggregate(fn, pg_loss, mask, aggregation), metrics
 
@@ -899,7 +916,7 @@ def kl_cov_loss(
         >>> import torch
         >>> lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
         >>> old = torch.tensor([[-1.5, -2.0]]); mask = torch.ones(1, 2, dtype=torch.bool)
-        >>> # cov = (A - 0) * (lp + 1.5) = [0.5, 0.5]; k = 1: the first (ties by position)
+        >>> # cov = (A - 0) * (lp + 1.5) = [0.5, 0.5]; k = 1: a tie, topk takes the first
         >>> loss, m = kl_cov_loss(lp, old, torch.tensor([[1.0, -1.0]]), mask, select_frac=0.5)
         >>> loss                              # (-e^0.5 + |0.5| + 1) / 2
         tensor(-0.0744, grad_fn=<DivBackward0>)
@@ -910,25 +927,26 @@ def kl_cov_loss(
 
     Note:
         Defaults (k = 2e-4, beta = 1) are verl's. The covariance uses the means of this
-        call's counted tokens, as verl does. Ties in ``cov`` go to the earlier position
-        (row-major); verl's ``topk`` leaves their order unspecified.
+        call's counted tokens, as verl does. Ties in ``cov`` are broken by ``torch.topk``,
+        as in verl (on CPU, the earlier position).
     """
     fn = "kl_cov_loss"
     _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
     check_non_negative(fn, "kl_coef", kl_coef)
     check_positive(fn, "max_log_ratio", max_log_ratio)
-    k = _selection_count(fn, select_frac, mask)
+    k, k_max = _selection_count(fn, select_frac, mask)
     A = _per_token(fn, "advantages", advantages, log_probs, mask)
 
     log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
     ratio = torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
     with torch.no_grad():
-        selected = _first_k(-_covariance(A, log_probs, mask), mask, k)
+        selected = _first_k(-_covariance(A, log_probs, mask), mask, k, k_max)
     pg_loss = -A * ratio + torch.where(selected, kl_coef * log_ratio.abs(), 0.0)
 
     with torch.no_grad():
-        metrics = {"kl_cov_frac": _frac(selected, mask), "kl_abs": masked_mean(log_ratio.abs(), mask)}
-        metrics.update(_ratio_metrics(log_ratio, ratio, mask, max_log_ratio))
+        count = mask.sum().clamp(min=1)
+        metrics = {"kl_cov_frac": _frac(selected, mask, count), "kl_abs": masked_sum(log_ratio.abs(), mask) / count}
+        metrics.update(_ratio_metrics(log_ratio, ratio, mask, count, max_log_ratio, token_ratio=ratio))
     return _aggregate(fn, pg_loss, mask, aggregation), metrics
 
 
@@ -998,5 +1016,5 @@ def value_loss(
         loss2 = (old_error + (error - old_error).clamp(-clip, clip)) ** 2
         per_token = 0.5 * torch.maximum(loss1, loss2)
         with torch.no_grad():
-            metrics = {"clip_frac": _frac(loss2 > loss1, mask)}
+            metrics = {"clip_frac": _frac(loss2 > loss1, mask, mask.sum().clamp(min=1))}
     return _aggregate(fn, per_token, mask, aggregation), metrics
