@@ -15,7 +15,12 @@ handwritten loop can call them too:
 """
 
 from torchforge.loop.evaluate import evaluate, pass_at_k
-from torchforge.loop.policy import ValueModel, policy_log_probs
+from torchforge.loop.policy import (
+    ValueModel,
+    head_transform,
+    policy_log_probs,
+    rollout_log_prob_gap,
+)
 from torchforge.loop.rewards import RewardError, RewardFunction, score_rewards
 from torchforge.loop.rollout import (
     completion_mask,
@@ -31,6 +36,8 @@ __all__ = [
     "completion_mask",
     "decode_completions",
     "policy_log_probs",
+    "head_transform",
+    "rollout_log_prob_gap",
     "ValueModel",
     "RewardFunction",
     "RewardError",
