@@ -15,11 +15,12 @@ PANELS = (
     ("kl", "KL(pi || ref)"),
     ("entropy", "entropy (nats / token)"),
     ("completions/mean_length", "completion length (tokens)"),
+    ("rollout/log_prob_gap", "sampler vs trainer: mean |log p gap|"),
 )
 
 
 def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
-    """Draw a run's curves (2 x 2 panels) from its ``metrics.jsonl``.
+    """Draw a run's curves (2 rows of panels) from its ``metrics.jsonl``.
 
     Args:
         run_dir: the run folder (the trainer's ``output_dir``).
@@ -35,7 +36,8 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
 
     rows = read_metrics(run_dir)
     out = Path(out) if out is not None else Path(run_dir) / "curves.png"
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
+    ncols = -(-len(PANELS) // 2)
+    fig, axes = plt.subplots(2, ncols, figsize=(3.5 * ncols, 7), constrained_layout=True)
     for ax, (key, title) in zip(axes.flat, PANELS):
         points = [(r["step"], r[key]) for r in rows if key in r and not math.isnan(r[key])]
         if points:
