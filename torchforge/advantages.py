@@ -93,28 +93,34 @@ def _token_rewards(fn: str, rewards: torch.Tensor, mask: torch.Tensor) -> torch.
 
 class _Groups:
     """How the B rows of a batch fall into groups: contiguous blocks of ``size`` rows, or by
-    ``index`` ([B] int64 in [0, count)). ``sum`` / ``amin`` / ``amax`` reduce [B, ...] to
-    [count, ...] per group; ``expand`` broadcasts [count, ...] back to [B, ...]."""
+    ``index`` ([B] int64 in [0, count)).
+
+    Per-row tensors live in ``view(x)``'s layout: [count, size, ...] for contiguous groups
+    (so per-group statistics broadcast without copies), [B, ...] by index. ``sum``, ``amin``
+    and ``amax`` reduce them to per-group statistics ([count, 1, ...] or [count, ...]),
+    ``expand`` puts a statistic next to each row, ``flat`` returns to [B, ...].
+    """
 
     def __init__(self, size: int | None, index: torch.Tensor | None, count: int):
         self.size, self.index, self.count = size, index, count
 
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        return x.view(self.count, self.size, *x.shape[1:])
+    def view(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.index is not None else x.reshape(self.count, self.size, *x.shape[1:])
 
-    def _index_like(self, x: torch.Tensor) -> torch.Tensor:
-        return self.index.view(-1, *([1] * (x.dim() - 1))).expand_as(x)
+    def flat(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.index is not None else x.reshape(self.count * self.size, *x.shape[2:])
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-        if self.index is None:
-            return self._rows(x).sum(1)
+        if self.index is None:  # a matmul with ones: on CPU much faster than sum(1) over small G
+            ones = x.new_ones(self.size, 1)
+            return x @ ones if x.dim() == 2 else torch.matmul(ones.t(), x)
         return x.new_zeros(self.count, *x.shape[1:]).index_add_(0, self.index, x)
 
     def _extreme(self, x: torch.Tensor, reduce: str, start: float) -> torch.Tensor:
         if self.index is None:
-            return self._rows(x).amin(1) if reduce == "amin" else self._rows(x).amax(1)
-        out = x.new_full((self.count, *x.shape[1:]), start)
-        return out.scatter_reduce_(0, self._index_like(x), x, reduce)
+            return x.amin(1, keepdim=True) if reduce == "amin" else x.amax(1, keepdim=True)
+        index = self.index.view(-1, *([1] * (x.dim() - 1))).expand_as(x)
+        return x.new_full((self.count, *x.shape[1:]), start).scatter_reduce_(0, index, x, reduce)
 
     def amin(self, x: torch.Tensor) -> torch.Tensor:
         return self._extreme(x, "amin", math.inf)
@@ -123,9 +129,13 @@ class _Groups:
         return self._extreme(x, "amax", -math.inf)
 
     def expand(self, s: torch.Tensor) -> torch.Tensor:
-        if self.index is None:
-            return s.unsqueeze(1).expand(self.count, self.size, *s.shape[1:]).reshape(-1, *s.shape[1:])
-        return s[self.index]
+        return s if self.index is None else s.index_select(0, self.index)
+
+    def rows(self, s: torch.Tensor) -> torch.Tensor:
+        """A per-group statistic repeated on each of the B rows: [B, ...]."""
+        if self.index is not None:
+            return s.index_select(0, self.index)
+        return s.expand(self.count, self.size, *s.shape[2:]).reshape(self.count * self.size, *s.shape[2:])
 
 
 def _groups(fn: str, rewards: torch.Tensor, group_size, group_ids, *, min_size: int = 1) -> _Groups:
@@ -167,33 +177,38 @@ def _groups(fn: str, rewards: torch.Tensor, group_size, group_ids, *, min_size: 
 
 
 def _deviations(groups: _Groups, rewards: torch.Tensor):
-    """``(d, valid, tied)``: the rewards minus their group's smallest finite reward.
+    """``(d, valid, d_sum, tied)``: the rewards minus their group's smallest finite reward.
 
-    ``d`` [B(, K)] float32 is ``r - min_g r`` at finite rewards and 0 elsewhere, formed in the
-    input's precision (float64 stays float64) before the cast, so that a constant added to
-    every reward cancels exactly; ``valid`` is ``isfinite(r)``; ``tied`` [G_count(, K)] bool
-    is True where the group's finite rewards are all equal (or fewer than two), i.e.
-    ``max_g r == min_g r`` exactly.
+    ``d = r - min_g r`` (float32) at finite rewards and 0 elsewhere, formed in the input's
+    precision (float64 stays float64) before the cast, so that a constant added to every
+    reward cancels exactly; ``valid`` is 1.0 where ``r`` is finite, else 0.0 (both in
+    ``groups.view`` layout). Per group: ``d_sum``, the float32 sum of ``d``, and ``tied``
+    (bool), True where the finite rewards are all equal (or fewer than two): every
+    ``d >= 0``, and ``r - m == 0`` exactly when ``r == m``, so the group is tied exactly when
+    the sum of its ``d`` (in the input's precision) is 0.
+
+    Written with ``nan_to_num`` and 0 / 1 weights instead of bool masks and ``where``: on
+    CPU several times faster for these shapes.
     """
-    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
-    valid = torch.isfinite(r)
-    low = groups.amin(torch.where(valid, r, math.inf))
-    high = groups.amax(torch.where(valid, r, -math.inf))
-    tied = ~(high > low)
-    d = torch.where(valid, r - groups.expand(torch.where(tied, 0.0, low)), 0.0).float()
-    return d, valid, tied
+    r = groups.view(rewards.to(torch.promote_types(rewards.dtype, torch.float32)))
+    low = groups.amin(torch.nan_to_num(r, nan=math.inf, posinf=math.inf, neginf=math.inf))
+    low = torch.nan_to_num(low, posinf=0.0)  # +inf: a group with no finite reward
+    valid = torch.nan_to_num(r * 0.0 + 1.0, nan=0.0)  # 1 where finite (inf * 0 is NaN too)
+    d = (torch.nan_to_num(r, nan=0.0, posinf=0.0, neginf=0.0) - groups.expand(low)) * valid
+    d_sum = groups.sum(d)
+    return d.float(), valid.float(), d_sum.float(), ~(d_sum > 0)
 
 
 def _centered(groups: _Groups, rewards: torch.Tensor):
-    """``(centered, valid, n, kept)``: ``r - mean_g`` over the finite rewards (0 at the others
-    and in tied groups), the [B(, K)] finite flags, the [G_count(, K)] float32 count of finite
-    rewards and the [G_count(, K)] float32 1.0 / 0.0 for groups that are not / are tied."""
-    d, valid, tied = _deviations(groups, rewards)
-    n = groups.sum(valid.float())
-    kept = (~tied).float()
-    mean = groups.sum(d) / n.clamp(min=1)
-    centered = torch.where(valid, d - groups.expand(mean), 0.0) * groups.expand(kept)
-    return centered, valid, n, kept
+    """``(centered, n)``: ``r - mean_g`` over the finite rewards (0 at the others) in
+    ``groups.view`` layout, and the float32 count of finite rewards of each group.
+
+    A tied group is exactly 0: its deviations ``r - min_g r`` are all exactly 0, and so is
+    their mean. Every factor applied to ``centered`` is finite, so it stays 0.
+    """
+    d, valid, d_sum, _ = _deviations(groups, rewards)
+    n = groups.sum(valid)
+    return (d - groups.expand(d_sum / n.clamp(min=1))) * valid, n
 
 
 def _batch_std(values: torch.Tensor, mask: torch.Tensor, sum_over_ranks) -> torch.Tensor:
@@ -204,9 +219,9 @@ def _batch_std(values: torch.Tensor, mask: torch.Tensor, sum_over_ranks) -> torc
     return torch.stack([_batch_std(v, m, sum_over_ranks) for v, m in zip(values.unbind(1), mask.unbind(1))])
 
 
-def _scale_factor(std: torch.Tensor, kept: torch.Tensor, eps: float) -> torch.Tensor:
-    """``kept / (std + eps)``: exactly 0 for tied groups, even with ``eps=0``."""
-    return kept / (std + eps).clamp(min=_TINY)
+def _scale_factor(std: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / (std + eps)``, finite even for ``std = eps = 0`` (where the deviations are 0)."""
+    return 1 / (std + eps).clamp(min=_TINY)
 
 
 def _check_weights(fn: str, reward_weights, rewards: torch.Tensor) -> torch.Tensor:
@@ -312,20 +327,19 @@ def group_advantages(
             "expected [B, K] rewards (one column per reward) with K weights"
         )
     weights = _check_weights(fn, reward_weights, rewards) if rewards.dim() == 2 else None
-    centered, valid, n, kept = _centered(groups, rewards)
+    centered, n = _centered(groups, rewards)
     if scale == "group":
         std_g = (groups.sum(centered.square()) / (n - 1).clamp(min=1)).sqrt()
-        factor = _scale_factor(std_g, kept, eps)
+        advantages = centered * groups.expand(_scale_factor(std_g, eps))
     elif scale == "batch":
-        std_batch = _batch_std(rewards, valid, sum_over_ranks)
-        factor = _scale_factor(std_batch, kept, eps)
+        advantages = centered * _scale_factor(_batch_std(rewards, torch.isfinite(rewards), sum_over_ranks), eps)
     else:
-        factor = kept
-    advantages = centered * groups.expand(factor)
+        advantages = centered
+    advantages = groups.flat(advantages)
     if weights is not None:  # GDPO: weighted sum of the normalized rewards, whitened over the batch
         s = advantages @ weights
-        factor = _scale_factor(_batch_std(s, valid.any(-1), sum_over_ranks), torch.ones(()), eps)
-        advantages = s * factor
+        std_s = _batch_std(s, torch.isfinite(rewards).any(-1), sum_over_ranks)
+        advantages = s * _scale_factor(std_s, eps)
     return advantages + 0.0  # -0.0 -> 0.0
 
 
@@ -368,9 +382,9 @@ def rloo_advantages(
     fn = "rloo_advantages"
     check_tensor(fn, "rewards", rewards, ndim=1)
     groups = _groups(fn, rewards, group_size, group_ids, min_size=2)
-    centered, _, n, kept = _centered(groups, rewards)
-    # r_i - (sum_j r_j - r_i) / (n - 1) == n / (n - 1) * (r_i - mean); n < 2 is always tied
-    return centered * groups.expand(kept * n / (n - 1).clamp(min=1)) + 0.0
+    centered, n = _centered(groups, rewards)
+    # r_i - (sum_j r_j - r_i) / (n - 1) == n / (n - 1) * (r_i - mean); n < 2 is always tied (0)
+    return groups.flat(centered * groups.expand(n / (n - 1).clamp(min=1))) + 0.0
 
 
 def _binomial_ratio(top: torch.Tensor, bottom: torch.Tensor, k: int) -> torch.Tensor:
@@ -448,8 +462,8 @@ def passk_advantages(
     if not ((r == 0) | (r == 1) | ~valid).all():
         bad = r[valid & (r != 0) & (r != 1)][:3].tolist()
         raise InvalidArgumentError(f"{fn}: rewards must be 0 or 1 (or NaN), got values such as {bad}")
-    correct = r == 1
-    n = groups.sum(valid.double())
+    correct = groups.view(r == 1)
+    n = groups.sum(groups.view(valid).double())
     c = groups.sum(correct.double())
     rho = 1 - _binomial_ratio(n - c, n, k)
     sigma = (rho * (1 - rho)).sqrt()
@@ -460,7 +474,7 @@ def passk_advantages(
         factor = torch.where(defined, 1 / (sigma + eps).clamp(min=_TINY), 0.0)
     else:
         factor = defined.double()
-    advantages = torch.where(correct, groups.expand(a_pos * factor), groups.expand(a_neg * factor))
+    advantages = groups.flat(torch.where(correct, groups.expand(a_pos * factor), groups.expand(a_neg * factor)))
     return torch.where(valid, advantages, 0.0).float() + 0.0
 
 
@@ -513,12 +527,12 @@ def opo_advantages(
             f"{fn}: rewards has shape {shape_str(rewards)} but mask has shape {shape_str(mask)}; "
             f"expected ({mask.shape[0]},)"
         )
-    d, valid, tied = _deviations(groups, rewards)
-    lengths = torch.where(valid, mask.sum(-1).float(), 0.0)
+    d, valid, _, tied = _deviations(groups, rewards)
+    lengths = groups.view(mask.sum(-1).float()) * valid
     total = groups.sum(lengths)
     b = groups.sum(lengths * d) / total.clamp(min=1)
-    kept = ~tied & (total > 0)
-    return torch.where(valid & groups.expand(kept), d - groups.expand(b), 0.0) + 0.0
+    kept = (~tied & (total > 0)).float()
+    return groups.flat((d - groups.expand(b)) * (valid * groups.expand(kept))) + 0.0
 
 
 # --- reverse discounted sums over the counted tokens -----------------------------------------
@@ -706,8 +720,8 @@ def reinforce_pp_advantages(
                 f"shape {shape_str(rewards)}; for token rewards, subtract the group mean from the "
                 "sequence rewards first and call without groups"
             )
-        centered, _, _, _ = _centered(_groups(fn, rewards, group_size, group_ids), rewards)
-        rewards = centered
+        groups = _groups(fn, rewards, group_size, group_ids)
+        rewards = groups.flat(_centered(groups, rewards)[0])
     returns = _returns(fn, rewards, mask, float(gamma))
     return masked_whiten(returns, mask, sum_over_ranks=sum_over_ranks)
 

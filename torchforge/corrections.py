@@ -466,5 +466,5 @@ def zero_std_groups(
     fn = "zero_std_groups"
     check_tensor(fn, "rewards", rewards, ndim=1)
     groups = _groups(fn, rewards, group_size, group_ids)
-    _, _, tied = _deviations(groups, rewards)
+    tied = _deviations(groups, rewards)[-1]
     return groups.rows(tied)
