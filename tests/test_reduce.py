@@ -461,8 +461,10 @@ def test_sum_over_ranks_gives_the_statistics_of_the_whole_batch(data):
 
 def test_sum_over_ranks_hand_derived():
     # Ranks hold [1, 3] and (simulated) [5, 7]: n = 4, mean 4, M2 = 9 + 1 + 1 + 9 = 20, var = 20 / 3.
-    # Pass 1 adds (count 2, sum 12) from the other rank; pass 2 adds its (5-4)^2 + (7-4)^2 = 10.
-    others = iter([torch.tensor([2.0, 12.0], dtype=torch.float64), torch.tensor([10.0], dtype=torch.float64)])
+    # Pass 1 adds (count 2, sum 12) from the other rank; pass 2 adds its squared deviations
+    # (5-4)^2 + (7-4)^2 = 10 and deviations 1 + 3 = 4 (this rank's: -3 - 1 = -4, so the
+    # correction (sum d)^2 / n is 0 here).
+    others = iter([torch.tensor([2.0, 12.0], dtype=torch.float64), torch.tensor([10.0, 4.0], dtype=torch.float64)])
     values, mask = torch.tensor([1.0, 3.0]), torch.ones(2, dtype=torch.bool)
     var = masked_var(values, mask, sum_over_ranks=lambda x: x + next(others))
     torch.testing.assert_close(var, torch.tensor(20 / 3), rtol=0, atol=1e-6)
@@ -481,6 +483,14 @@ def test_variance_of_rewards_offset_by_1e4_is_exact():
                                    rtol=1e-6, atol=0)
         torch.testing.assert_close(masked_whiten(rewards, mask), masked_whiten_ref(noise, mask).float(),
                                    rtol=0, atol=1e-6)
+    # Small spread on a large offset: 1e4 + N(0, 0.05^2). Against float64 on the same float32
+    # inputs, the whitened values are within 2e-5 (float32 sums and a float32 mean: 8e-4).
+    rewards = 1e4 + 0.05 * torch.randn(256, 512, generator=g)
+    mask = torch.rand(256, 512, generator=g) < 0.8
+    exact = rewards.double()[mask]
+    expected = (rewards.double() - exact.mean()) / exact.var().sqrt()
+    torch.testing.assert_close(masked_var(rewards, mask).double(), exact.var(), rtol=2e-7, atol=0)
+    assert (masked_whiten(rewards, mask).double() - expected)[mask].abs().max() < 2e-5
 
 
 def test_sum_over_ranks_bad_inputs():

@@ -172,25 +172,38 @@ def _deviation_and_var(
     unbiased: bool,
     sum_over_ranks: SumOverRanks | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float64 ``(values - mean)`` (0 where masked), ``mean`` and ``var``, in two passes.
+    """``values - mean`` (float32, 0 where masked), ``mean`` and ``var`` (float64), in two passes.
 
-    Pass 1 sums the count and the values; pass 2 the squared deviations about the mean
-    of pass 1. Every sum goes through ``sum_over_ranks``. Two passes in float64 keep the
-    variance of rewards offset by 1e4 exact to float32 precision (the one-pass
-    ``E[x^2] - E[x]^2`` cancels catastrophically there).
+    Pass 1 sums the count and the values; pass 2 the deviations ``d`` about the mean of
+    pass 1 and their squares, and ``M2 = sum d^2 - (sum d)^2 / n`` (the corrected two-pass
+    algorithm: the second term removes the rounding of the mean). Every sum goes through
+    ``sum_over_ranks`` and accumulates in float64; the [B, T] tensors stay float32, with
+    the float64 mean subtracted as two float32 parts (``mean_hi + mean_lo``), so rewards
+    offset by 1e4 keep float32 precision in their deviations.
     """
     _check_ranks(fn, dim, sum_over_ranks)
-    x = _masked(fn, values, mask).double()
-    count, total = _over_ranks(fn, sum_over_ranks, _sum(mask, dim, keepdim=True), _sum(x, dim, keepdim=True))
+    x = _masked(fn, values, mask)
+    count, total = _over_ranks(fn, sum_over_ranks, _sum(mask, dim, keepdim=True),
+                               _sum64(x, dim))
     mean = total / count.clamp(min=1)
-    deviation = torch.where(mask, x - mean, 0.0)
+    mean_hi = mean.float()
+    mean_lo = (mean - mean_hi.double()).float()
     # d M2 / d mean = -2 sum (x - mean) = 0 over the whole batch, so the mean is a constant
-    # in M2: the gradient is then exact on every rank, whose M2 share alone would not be.
-    fixed = torch.where(mask, x - mean.detach(), 0.0)
-    (squared,) = _over_ranks(fn, sum_over_ranks, _sum(fixed**2, dim, keepdim=True))
+    # in M2: the gradient is then exact on every rank, whose share of M2 alone would not be.
+    fixed = torch.where(mask, (x - mean_hi.detach()) - mean_lo.detach(), 0.0)
+    squared, first = _over_ranks(fn, sum_over_ranks, _sum64(fixed**2, dim), _sum64(fixed, dim))
+    m2 = (squared - first**2 / count.clamp(min=1)).clamp(min=0)
     denominator = count - 1 if unbiased else count
-    var = torch.where(denominator > 0, squared / denominator.clamp(min=1), 0.0)
+    var = torch.where(denominator > 0, m2 / denominator.clamp(min=1), 0.0)
+    deviation = fixed
+    if torch.is_grad_enabled() and x.requires_grad:  # the gradient through the mean
+        deviation = torch.where(mask, fixed - (mean - mean.detach()).float(), 0.0)
     return deviation, mean, var
+
+
+def _sum64(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """Sum accumulated in float64 (no float64 copy of ``x``), keeping ``dim``."""
+    return x.sum(dtype=torch.float64) if dim is None else x.sum(dim, keepdim=True, dtype=torch.float64)
 
 
 def masked_var(
@@ -222,9 +235,9 @@ def masked_var(
     Note:
         With fewer counted positions than the correction needs (n <= 1 unbiased, n = 0
         biased) the variance is returned as 0 rather than NaN or an error (TRL's
-        ``masked_var`` raises): one sample has no spread. The sums are float64, two
-        passes (mean, then squared deviations), so a constant offset (rewards near 1e4)
-        does not change the result.
+        ``masked_var`` raises): one sample has no spread. The sums accumulate in
+        float64 over two passes (mean, then deviations), so a constant offset (rewards
+        near 1e4) does not change the result.
 
     Example:
         >>> import torch
@@ -278,10 +291,11 @@ def masked_whiten(
     var = var + eps
     # The inner where keeps rsqrt away from 0 so that its gradient (0 * inf) cannot be NaN.
     positive = var > 0
-    whitened = deviation * torch.where(positive, torch.rsqrt(torch.where(positive, var, 1.0)), 0.0)
+    scale = torch.where(positive, torch.rsqrt(torch.where(positive, var, 1.0)), 0.0).float()
+    whitened = deviation * scale
     if not shift_mean:
-        whitened = whitened + mean
-    return torch.where(mask, whitened, 0.0).float()
+        whitened = whitened + mean.float()
+    return torch.where(mask, whitened, 0.0)
 
 
 def _masked_extremum(fn: str, values, mask, dim, fill, largest: bool) -> torch.Tensor:
