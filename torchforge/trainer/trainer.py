@@ -51,6 +51,7 @@ from torchforge.loop import (
     optimizer_step,
     policy_log_probs,
     rollout,
+    rollout_log_prob_gap,
 )
 from torchforge.loop.rewards import score_rewards
 from torchforge.loop.update import metric_reduction
@@ -403,11 +404,16 @@ class RLTrainer:
         part.log_probs = log_probs
         if part.old_log_probs is None:  # the first pass runs before any update: on-policy
             part.old_log_probs = log_probs.detach()
+        # the canary: the sampler's log-probs against the first pass's (~0 when they share weights)
+        if getattr(part, "rollout_log_probs", None) is not None:
+            logged_gap = rollout_log_prob_gap(part.old_log_probs, part.rollout_log_probs, part.mask)
+        else:
+            logged_gap = {}
         with self.algorithm.bind(part, aggregation), self._autocast_context():
             out = self.algorithm.compute_loss(part)
             logged = self.algorithm.pop_metrics()
         loss, metrics = self._checked_loss_output(out)
-        return loss, {**metrics, **logged, "entropy": masked_mean(entropy.detach(), part.mask)}
+        return loss, {**metrics, **logged, **logged_gap, "entropy": masked_mean(entropy.detach(), part.mask)}
 
     def _checked_loss_output(self, out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``compute_loss``'s ``(loss, metrics)``, or an error naming what it returned instead."""
