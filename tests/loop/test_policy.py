@@ -60,3 +60,20 @@ def test_value_model_starts_at_zero_and_has_one_value_per_token(tokenizer, model
 
 
 # --- the update ----------------------------------------------------------------------------
+
+
+# --- the canary in the trainer's metrics ----------------------------------------------------
+
+def test_the_trainer_logs_the_rollout_log_prob_gap_near_zero(tmp_path):
+    # sampling and training share weights and dtype: the sampler's log-probs are the first
+    # pass's, to float32 noise, and metrics.jsonl says so
+    from torchforge.trainer.demo import demo_config
+    from torchforge.trainer.tracking import read_metrics
+    from torchforge.trainer.trainer import RLTrainer
+
+    config = demo_config(max_steps=1, num_generations=4, prompts_per_step=2, max_completion_length=4,
+                         progress_bar=False, output_dir=str(tmp_path / "run"))
+    RLTrainer(config=config).train()
+    (row,) = read_metrics(tmp_path / "run")
+    assert 0.0 <= row["rollout/log_prob_gap"] < 1e-5
+    assert abs(row["rollout/kl"]) < 1e-6
