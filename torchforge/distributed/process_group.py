@@ -63,19 +63,34 @@ def init_distributed() -> bool:
     return True
 
 
-def launch(nproc: int, args: Sequence[str], *, module: str | None = "torchforge") -> int:
-    """Run ``nproc`` processes on this machine through torch's own launcher (torchrun).
+def launch(
+    nproc: int,
+    args: Sequence[str],
+    *,
+    module: str | None = "torchforge",
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str | None = None,
+    master_port: int = 29500,
+) -> int:
+    """Run ``nproc`` processes on this machine (of ``nnodes``) through torch's own launcher.
 
-    Runs ``python -m torch.distributed.run --standalone --nproc_per_node nproc -m module
-    *args`` (or the script ``args[0]`` when ``module`` is None) and waits for it. This is
-    what ``torchforge train --nproc N ...`` does; ``torchrun --nproc_per_node N -m
-    torchforge train ...`` is equivalent, and the way to go multi-node (``--nnodes``,
-    ``--rdzv-endpoint``).
+    One machine: ``python -m torch.distributed.run --standalone --nproc_per_node nproc -m
+    module *args``. Several: the same command on every machine with ``--nnodes nnodes
+    --node_rank node_rank --master_addr master_addr --master_port master_port`` (torchrun's
+    static rendezvous: node 0 hosts the store at ``master_addr:master_port``; global ranks
+    are ``node_rank * nproc + local_rank``). This is what ``torchforge train --nproc N
+    [--nnodes N --node-rank R --master-addr HOST --master-port P] ...`` does; ``torchrun``
+    with the same flags and ``-m torchforge train ...`` is equivalent.
 
     Args:
-        nproc: number of processes (>= 1), typically the number of GPUs.
+        nproc: processes on this machine (>= 1), typically its number of GPUs.
         args: command-line arguments of the module (or a script path and its arguments).
         module: module to run with ``-m``; None to run a script.
+        nnodes: number of machines (>= 1).
+        node_rank: this machine's rank in ``[0, nnodes)``.
+        master_addr: address of node 0, reachable from every node (required when nnodes > 1).
+        master_port: a free port on node 0.
 
     Returns:
         The launcher's exit status (0 when every process succeeded).
@@ -83,16 +98,29 @@ def launch(nproc: int, args: Sequence[str], *, module: str | None = "torchforge"
     Example:
         >>> launch(2, ["train", "--config", "cfg.yaml"])  # doctest: +SKIP
         0
+        >>> launch(4, ["train"], nnodes=2, node_rank=1, master_addr="10.0.0.1")  # doctest: +SKIP
+        0
     """
     fn = "launch"
-    if not (isinstance(nproc, int) and nproc >= 1):
-        raise InvalidArgumentError(f"{fn}: nproc must be an int >= 1, got {nproc!r}")
+    for name, value, low in (("nproc", nproc, 1), ("nnodes", nnodes, 1), ("node_rank", node_rank, 0),
+                             ("master_port", master_port, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise InvalidArgumentError(f"{fn}: {name} must be an int >= {low}, got {value!r}")
+    if node_rank >= nnodes:
+        raise InvalidArgumentError(f"{fn}: node_rank={node_rank} with nnodes={nnodes}; expected node_rank < nnodes")
+    if nnodes > 1 and not master_addr:
+        raise InvalidArgumentError(f"{fn}: nnodes={nnodes} but master_addr={master_addr!r}; expected the address of node 0")
     if "TORCHELASTIC_RUN_ID" in os.environ or is_distributed():
         raise TorchforgeError(
             f"{fn}: already inside a distributed run (WORLD_SIZE={os.environ.get('WORLD_SIZE')}); "
             "drop --nproc when launching with torchrun"
         )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    if nnodes == 1:
+        cmd += ["--standalone"]
+    else:
+        cmd += [f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--master_addr={master_addr}",
+                f"--master_port={master_port}"]
     cmd += (["-m", module] if module else []) + list(args)
     return subprocess.call(cmd)
 

@@ -8,30 +8,48 @@
                                           import paths) and ``distributed`` (DistributedConfig
                                           fields); ``key=value`` overrides the file
 ``torchforge train --nproc N ...``        the same on N processes (torch.distributed.run)
+``torchforge train --nnodes N --node-rank R --master-addr HOST --master-port P ...``
+                                          the same on N machines (run it on each one)
 ``torchforge plot RUN_DIR``               the reward / KL / entropy / length curves as a PNG
 
 ``torchrun --nproc_per_node N -m torchforge train ...`` works as well.
+
+Every mistake in the settings is answered with one ``error:`` line and exit status 2,
+before any model is loaded (and, with ``--nproc``, before any process is started).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import importlib
 import inspect
 import json
 import math
+import os
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
 import yaml
 
-from torchforge.errors import InvalidArgumentError
+from torchforge.errors import InvalidArgumentError, TorchforgeError
+from torchforge.trainer.run_dir import RunInterrupted, last_checkpoint_step, prepare_output_dir
 
-__all__ = ["main", "load_run_config", "import_object"]
+__all__ = ["main", "load_run_config", "import_object", "check_run", "build_trainer"]
 
-_RUN_KEYS = ("model", "dataset", "reward_functions", "distributed", "environment")
+_RUN_KEYS = {
+    "model": "a local Hugging Face folder (none: the embedded demo)",
+    "dataset": "a JSONL file or a `datasets` folder of rows with a 'prompt' field",
+    "reward_functions": "dotted import paths, e.g. [myrewards.correct, myrewards:Format]",
+    "environment": "a dotted import path of a multi-turn environment class, one per episode (RLTrainer's environment_factory)",
+    "distributed": "DistributedConfig fields, e.g. {strategy: fsdp, sharding_strategy: full}",
+}
+
+_INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
 
 
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$")
@@ -54,7 +72,12 @@ def _parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise InvalidArgumentError(f"torchforge train: {pair!r} is not key=value; expected e.g. max_steps=100")
-        out[key.strip()] = yaml.safe_load(value)  # "0.5" -> float, "null" -> None, "[1, 2]" -> list
+        try:
+            out[key.strip()] = yaml.safe_load(value)  # "0.5" -> float, "null" -> None, "[1, 2]" -> list
+        except yaml.YAMLError as error:
+            raise InvalidArgumentError(
+                f"torchforge train: {pair!r}: the value is not valid YAML ({getattr(error, 'problem', error)})"
+            ) from None
     return out
 
 
@@ -71,12 +94,31 @@ def load_run_config(path: str | None, overrides: Sequence[str] = ()) -> dict[str
     """
     values: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        file = Path(path)
+        if not file.is_file():
+            raise InvalidArgumentError(f"--config {path}: no such file; expected a YAML file of settings")
+        try:
+            loaded = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+            raise InvalidArgumentError(f"{where}: malformed YAML: {problem}") from None
         if not isinstance(loaded, dict):
             raise InvalidArgumentError(f"torchforge train: {path} holds a {type(loaded).__name__}; expected a mapping")
         values.update(loaded)
     values.update(_parse_overrides(overrides))
     return _numbers(values)
+
+
+def _import_path(config_path: str | None) -> None:
+    """Put the working directory and the config file's folder on ``sys.path`` (for dotted names)."""
+    folders = [os.getcwd()]
+    if config_path is not None:
+        folders.append(str(Path(config_path).resolve().parent))
+    for folder in reversed(folders):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
 
 
 def import_object(path: str) -> Any:
@@ -88,6 +130,8 @@ def import_object(path: str) -> Any:
     Returns:
         The object.
     """
+    if not isinstance(path, str):
+        raise InvalidArgumentError(f"import_object: {path!r} is not a dotted path; expected 'package.module.name'")
     module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
     if not module_name or not attr:
         raise InvalidArgumentError(f"import_object: {path!r} is not a dotted path; expected 'package.module.name'")
@@ -95,6 +139,44 @@ def import_object(path: str) -> Any:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as error:
         raise InvalidArgumentError(f"import_object: cannot import {path!r}: {error}") from error
+    except Exception as error:  # the module itself raised while importing
+        raise InvalidArgumentError(
+            f"import_object: importing {path!r} raised {type(error).__name__}: {error}"
+        ) from error
+
+
+# --- reward functions: name the sample a raising function failed on ----------------------
+
+class RewardRaised(TorchforgeError):
+    """A reward function of the run raised: names it, the sample and the exception."""
+
+
+class _LocatedReward:
+    """A reward function that, when it raises, finds the first sample it raises on alone."""
+
+    def __init__(self, fn: Any, path: str) -> None:
+        from torchforge.loop.rewards import reward_name
+
+        self.fn, self.path = fn, path
+        self.name = reward_name(fn)
+        self.weight = float(getattr(fn, "weight", 1.0))
+
+    def __call__(self, *, prompts: Sequence[str], completions: Sequence[str], **columns: Any):
+        try:
+            return self.fn(prompts=prompts, completions=completions, **columns)
+        except Exception as error:
+            B = len(completions)
+            where = ""
+            for b in range(B):
+                one = {k: (v[b:b + 1] if isinstance(v, (list, tuple)) and len(v) == B else v) for k, v in columns.items()}
+                try:
+                    self.fn(prompts=list(prompts[b:b + 1]), completions=list(completions[b:b + 1]), **one)
+                except Exception:
+                    where = f" on sample {b} (prompt {prompts[b]!r}, completion {completions[b]!r})"
+                    break
+            raise RewardRaised(
+                f"reward function {self.path!r} raised {type(error).__name__}: {error}{where}"
+            ) from error
 
 
 def _reward_functions(paths: Sequence[str]) -> list[Any]:
@@ -103,91 +185,409 @@ def _reward_functions(paths: Sequence[str]) -> list[Any]:
     out = []
     for path in paths:
         obj = import_object(path)
-        out.append(obj() if inspect.isclass(obj) and issubclass(obj, RewardFunction) else obj)
+        if inspect.isclass(obj) and issubclass(obj, RewardFunction):
+            obj = obj()
+        if not callable(obj):
+            raise InvalidArgumentError(
+                f"reward_functions: {path!r} is a {type(obj).__name__}; expected a function or a RewardFunction"
+            )
+        out.append(_LocatedReward(obj, path))
     return out
 
 
 def _dataset(path: str) -> Any:
-    p = Path(path)
+    p = Path(path).expanduser()
     if p.is_file():
+        rows = []
         with p.open() as f:
-            return [json.loads(line) for line in f if line.strip()]
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as error:
+                        raise InvalidArgumentError(f"dataset {path}:{i}: not a JSON line ({error.msg})") from None
+        return rows
     if p.is_dir():
         from datasets import DatasetDict, load_from_disk
 
         data = load_from_disk(str(p))
         return data["train"] if isinstance(data, DatasetDict) else data
-    raise InvalidArgumentError(f"torchforge train: dataset {path!r} does not exist; expected a JSONL file or a datasets folder")
+    raise InvalidArgumentError(f"dataset {path!r} does not exist; expected a JSONL file or a datasets folder")
 
 
-def build_trainer(values: dict[str, Any]):
-    """An RLTrainer from merged run settings (see :func:`load_run_config`).
+# --- checking every setting before anything heavy ------------------------------------------
+
+def _looks_local(name: str) -> bool:
+    """A model name that can only be a path: never sent to a model hub."""
+    return (name.startswith((".", "/", "~", "\\")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+            or name.endswith("/"))
+
+
+def _check_model(name: Any) -> str:
+    """The model folder (or hub id, cached or reachable); one-line errors otherwise."""
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError(f"model={name!r}; expected the path of a Hugging Face model folder")
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise InvalidArgumentError(
+                f"model {name!r} is a folder without config.json; expected a Hugging Face model folder "
+                "(save_pretrained's output)"
+            )
+        return str(path)
+    if path.exists():
+        raise InvalidArgumentError(f"model {name!r} is a file; expected a Hugging Face model folder")
+    if _looks_local(name):
+        raise InvalidArgumentError(f"model {name!r} does not exist; expected a Hugging Face model folder")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    if offline:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+        except Exception:  # not a valid repo id
+            cached = False
+        if not cached:
+            raise InvalidArgumentError(
+                f"model {name!r} is neither a local folder nor in the Hugging Face cache (HF_HUB_OFFLINE is set); "
+                "expected a Hugging Face model folder"
+            )
+    return name
+
+
+def _suggest(key: str, names: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _type_matches(value: Any, annotation: str) -> bool:
+    for part in (p.strip() for p in annotation.split("|")):
+        if part == "None" and value is None:
+            return True
+        if part == "bool" and isinstance(value, bool):
+            return True
+        if part == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if part == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if part == "str" and isinstance(value, str):
+            return True
+        if part.startswith("dict[") and isinstance(value, dict):  # the lora: block
+            return True
+        if part.startswith("list[") and isinstance(value, list):
+            inner = part[5:-1]
+            if all(_type_matches(v, inner) for v in value):
+                return True
+        if part.startswith("dict") and isinstance(value, dict):
+            return True
+        if part not in ("None", "bool", "int", "float", "str") and not part.startswith(("list[", "dict")):
+            return True  # a type this check does not know: the config's own validation decides
+    return False
+
+
+def _check_types(values: dict[str, Any], cls: type, prefix: str = "") -> None:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        field = fields[key]
+        annotation = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+        if not _type_matches(value, annotation):
+            raise InvalidArgumentError(
+                f"{prefix}{key}={value!r} is a {type(value).__name__}; expected {annotation.replace(' | ', ' or ')}"
+            )
+
+
+@dataclasses.dataclass
+class _Run:
+    config: Any  # RLConfig
+    model: str | None = None
+    dataset: str | None = None
+    reward_functions: list[Any] = dataclasses.field(default_factory=list)
+    distributed: Any = None  # DistributedConfig or None
+    environment: Any = None  # a multi-turn environment class or None
+
+
+def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
+    """Check every setting of a run without loading anything heavy; one-line errors.
+
+    Unknown keys (with the nearest valid key), wrong types, bad values, a missing model
+    folder, dataset file or ``distributed`` field, reward functions that do not import, an
+    ``output_dir`` that cannot be written and a ``prompts_per_step`` that does not split
+    over ``num_processes`` all raise ``InvalidArgumentError``.
 
     Args:
-        values: settings.
+        values: merged settings (see :func:`load_run_config`).
+        num_processes: processes the run will have (``--nproc`` times ``--nnodes``).
 
     Returns:
-        RLTrainer.
+        The checked run: ``config`` (RLConfig), ``model``, ``dataset``, ``reward_functions``,
+        ``distributed``.
     """
     from torchforge.distributed import DistributedConfig
     from torchforge.trainer.config import RLConfig
     from torchforge.trainer.demo import demo_config
-    from torchforge.trainer.trainer import RLTrainer
+    from torchforge.trainer.run_dir import check_writable
 
-    run = {k: values.pop(k) for k in _RUN_KEYS if k in values}
-    dist = DistributedConfig(**run["distributed"]) if run.get("distributed") else None
-    environment = import_object(run["environment"]) if run.get("environment") else None  # multi-turn episodes
-    if "model" not in run:  # the embedded demo, with any settings changed
-        if "dataset" in run or "reward_functions" in run:
+    values = dict(values)
+    names = [f.name for f in dataclasses.fields(RLConfig)]
+    for key in values:
+        if key not in names and key not in _RUN_KEYS:
+            raise InvalidArgumentError(
+                f"unknown setting {key!r}{_suggest(key, [*names, *_RUN_KEYS])} "
+                "(`torchforge train --help` lists them all)"
+            )
+    run_values = {k: values.pop(k) for k in list(_RUN_KEYS) if k in values}
+    _check_types(values, RLConfig)
+    environment = import_object(run_values["environment"]) if run_values.get("environment") else None
+
+    dist = None
+    if run_values.get("distributed") is not None:
+        given = run_values["distributed"]
+        if not isinstance(given, dict):
+            raise InvalidArgumentError(f"distributed={given!r}; expected a mapping of DistributedConfig fields")
+        dist_names = [f.name for f in dataclasses.fields(DistributedConfig)]
+        for key in given:
+            if key not in dist_names:
+                raise InvalidArgumentError(f"unknown setting distributed.{key}{_suggest(key, dist_names)}; "
+                                           f"expected one of {dist_names}")
+        _check_types(given, DistributedConfig, prefix="distributed.")
+        dist = DistributedConfig(**given)
+
+    if "model" not in run_values:  # the embedded demo, with any settings changed
+        if "dataset" in run_values or "reward_functions" in run_values:
             raise InvalidArgumentError(
                 "torchforge train: dataset / reward_functions given without a model; expected 'model' "
                 "(a local Hugging Face folder) too"
             )
-        return RLTrainer(config=demo_config(**values), distributed_config=dist, environment_factory=environment)
-    missing = [k for k in ("dataset", "reward_functions") if k not in run and not (k == "reward_functions" and environment)]
-    if missing:
-        raise InvalidArgumentError(f"torchforge train: model given but not {missing}; expected all three")
+        run = _Run(config=demo_config(**values), distributed=dist, environment=environment)
+    else:
+        missing = [k for k in ("dataset", "reward_functions") if k not in run_values
+                   and not (k == "reward_functions" and environment)]
+        if missing:
+            raise InvalidArgumentError(f"torchforge train: model given but not {missing}; expected all three")
+        config = RLConfig.from_dict(values)
+        rewards = run_values.get("reward_functions", [])
+        rewards = [rewards] if isinstance(rewards, str) else rewards
+        if not isinstance(rewards, list) or not (rewards or environment):
+            raise InvalidArgumentError(f"reward_functions={rewards!r}; expected a list of dotted import paths")
+        dataset = run_values["dataset"]
+        if not isinstance(dataset, str) or not Path(dataset).expanduser().exists():
+            raise InvalidArgumentError(f"dataset {dataset!r} does not exist; expected a JSONL file or a datasets folder")
+        run = _Run(config=config, model=_check_model(run_values["model"]), dataset=dataset,
+                   reward_functions=_reward_functions(rewards), distributed=dist, environment=environment)
+    if run.config.prompts_per_step % num_processes:
+        raise InvalidArgumentError(
+            f"prompts_per_step={run.config.prompts_per_step} does not split over {num_processes} processes; "
+            "expected a multiple of the number of processes"
+        )
+    check_writable(run.config.output_dir)
+    return run
+
+
+def build_trainer(values: dict[str, Any] | _Run):
+    """An RLTrainer from merged run settings (see :func:`load_run_config`) or a checked run.
+
+    Args:
+        values: settings, or the result of :func:`check_run`.
+
+    Returns:
+        RLTrainer.
+    """
+    from torchforge.trainer.trainer import RLTrainer
+
+    run = values if isinstance(values, _Run) else check_run(values)
+    if run.model is None:
+        return RLTrainer(config=run.config, distributed_config=run.distributed, environment_factory=run.environment)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(run["model"])
-    tokenizer = AutoTokenizer.from_pretrained(run["model"])
-    rewards = run.get("reward_functions", [])
+    reward_functions = run.reward_functions
+    train_dataset = _dataset(run.dataset)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(run.model)
+        tokenizer = AutoTokenizer.from_pretrained(run.model)
+    except OSError as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise InvalidArgumentError(f"model {run.model!r} could not be loaded: {first}") from error
     return RLTrainer(
-        model=model, tokenizer=tokenizer, config=RLConfig.from_dict(values),
-        reward_functions=_reward_functions([rewards] if isinstance(rewards, str) else rewards),
-        train_dataset=_dataset(run["dataset"]), distributed_config=dist, environment_factory=environment,
+        model=model, tokenizer=tokenizer, config=run.config, reward_functions=reward_functions,
+        train_dataset=train_dataset, distributed_config=run.distributed, environment_factory=run.environment,
     )
 
 
-def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
+# --- the commands ------------------------------------------------------------------------
+
+def _count(flag: str, value: str | None, default: int, *, low: int = 1) -> int:
+    if value is None:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or number < low:
+        raise InvalidArgumentError(f"{flag} {value}; expected a whole number >= {low}")
+    return number
+
+
+def _launch_settings(args: argparse.Namespace) -> dict[str, Any]:
+    nproc = _count("--nproc", args.nproc, 1)
+    nnodes = _count("--nnodes", args.nnodes, 1)
+    node_rank = _count("--node-rank", args.node_rank, 0, low=0)
+    port = _count("--master-port", args.master_port, 29500)
+    if nnodes == 1 and (args.node_rank is not None or args.master_addr is not None or args.master_port is not None):
+        raise InvalidArgumentError("--node-rank / --master-addr / --master-port without --nnodes N (N > 1); "
+                                   "expected --nnodes too")
+    if node_rank >= nnodes:
+        raise InvalidArgumentError(f"--node-rank {node_rank} with --nnodes {nnodes}; expected 0 <= node rank < {nnodes}")
+    if nnodes > 1 and not args.master_addr:
+        raise InvalidArgumentError(f"--nnodes {nnodes} without --master-addr; expected the address of node 0 "
+                                   "(the same on every node)")
+    if port > 65535:
+        raise InvalidArgumentError(f"--master-port {port}; expected a port number in [1, 65535]")
+    import torch
+
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        raise InvalidArgumentError(f"--nproc {nproc} but this machine has {torch.cuda.device_count()} GPU(s); "
+                                   "expected at most one process per GPU")
+    return dict(nproc=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=args.master_addr, master_port=port)
+
+
+def _summary_lines(trainer: Any, summary: dict[str, Any], start: int) -> str:
+    """The end-of-run summary, over every step of the run (metrics.jsonl), resumed or not."""
+    from torchforge.trainer.tracking import read_metrics
+
+    rows = read_metrics(trainer.output_dir) if Path(summary["metrics"]).exists() else []
+
+    def first_last(key: str) -> tuple[float, float]:
+        values = [r[key] for r in rows if key in r and not math.isnan(r[key])]
+        if not values:
+            return math.nan, math.nan
+        window = max(1, len(values) // 10)
+        return sum(values[:window]) / window, sum(values[-window:]) / window
+
+    reward = first_last("reward")
+    clipped = first_last("completions/clipped_ratio")
+    resumed = f", {summary['steps'] - start} of them now, resumed from step {start}" if start else ""
+    return (
+        f"\ntrained {summary['steps']} steps ({trainer.algorithm.name}{resumed})\n"
+        f"  reward      {reward[0]:.3f} -> {reward[1]:.3f} (mean of the first and last 10% of the run's steps)\n"
+        f"  clipped     {clipped[0]:.3f} -> {clipped[1]:.3f} (completions/clipped_ratio: the share that hit "
+        "max_completion_length without stopping)\n"
+        f"  metrics     {summary['metrics']}  (TensorBoard: {trainer.output_dir / 'tensorboard'})\n"
+        f"  checkpoint  {summary['checkpoint']}  (continue with --resume)\n"
+        f"  final model {summary['final_model']}\n"
+        f"  plot        {summary['plot']}"
+    ), reward[1]
+
+
+def _complete(output_dir: Any, total_steps: int) -> str | None:
+    step = last_checkpoint_step(output_dir)
+    if step is not None and step >= total_steps:
+        return (f"{output_dir} is complete: {step} of {total_steps} steps done; nothing to train "
+                "(raise max_steps to train further)")
+    return None
+
+
+def _train(args: argparse.Namespace) -> int:
     from torchforge.distributed import is_main_process, launch, teardown_distributed
 
-    if args.nproc is not None and args.nproc > 1:
-        forwarded = [a for a in argv if not a.startswith("--nproc")]
-        if "--nproc" in argv:  # "--nproc N": drop N too
-            i = list(argv).index("--nproc")
-            forwarded = list(argv[:i]) + list(argv[i + 2:])
-        return launch(args.nproc, ["train", *forwarded])
+    _import_path(args.config)
+    launch_settings = _launch_settings(args)
     values = load_run_config(args.config, args.overrides)
+    inside_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    processes = int(os.environ.get("WORLD_SIZE", "1")) if inside_torchrun else (
+        launch_settings["nproc"] * launch_settings["nnodes"])
+    run = check_run(values, num_processes=processes)
+    output_dir = run.config.output_dir
+    note = prepare_output_dir(output_dir, resume=args.resume, overwrite=args.overwrite)
+    if note and (not inside_torchrun or int(os.environ.get("RANK", "0")) == 0):
+        print(note, file=sys.stderr)
     if args.resume:
-        values["resume"] = True
-    trainer = build_trainer(values)
-    main_process = is_main_process()
+        run.config.resume = True
+        if run.config.max_steps is not None and (done := _complete(output_dir, run.config.max_steps)):
+            if not inside_torchrun or int(os.environ.get("RANK", "0")) == 0:
+                print(done)
+            return 0
+
+    if (launch_settings["nproc"] > 1 or launch_settings["nnodes"] > 1) and not inside_torchrun:
+        forwarded = ["train", *(["--config", args.config] if args.config else []),
+                     *(["--resume"] if args.resume else []), *(["--debug"] if args.debug else []),
+                     *args.overrides]  # --overwrite is done: the processes must not redo it
+        return launch(launch_settings["nproc"], forwarded, nnodes=launch_settings["nnodes"],
+                      node_rank=launch_settings["node_rank"], master_addr=launch_settings["master_addr"],
+                      master_port=launch_settings["master_port"])
+
+    trainer = None
     try:
+        trainer = build_trainer(run)
+        if args.resume and (done := _complete(output_dir, trainer.total_steps)):
+            if is_main_process():
+                print(done)
+            return 0
+        start = last_checkpoint_step(output_dir) or 0 if args.resume else 0
+        main_process = is_main_process()
         summary = trainer.train()
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside the steps
+        step = trainer.step if trainer is not None else 0
+        raise RunInterrupted(step, last_checkpoint_step(output_dir)) from None
     finally:
         teardown_distributed()
     if main_process:
-        print(
-            f"\ntrained {summary['steps']} steps ({trainer.algorithm.name})\n"
-            f"  reward      {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} "
-            "(mean of the first and last 10% of steps)\n"
-            f"  metrics     {summary['metrics']}  (TensorBoard: {trainer.output_dir / 'tensorboard'})\n"
-            f"  checkpoint  {summary['checkpoint']}  (continue with --resume)\n"
-            f"  final model {summary['final_model']}\n"
-            f"  plot        {summary['plot']}"
-        )
-    return 0 if not math.isnan(summary["reward_last"]) else 1
+        text, reward_last = _summary_lines(trainer, summary, start)
+        print(text)
+        return 0 if not math.isnan(reward_last) else 1
+    return 0
+
+
+def _settings_help() -> str:
+    from torchforge.trainer.config import RLConfig
+    from torchforge.trainer.demo import demo_config
+
+    demo, defaults = demo_config().to_dict(), RLConfig().to_dict()
+    lines = ["settings (keys of the --config YAML, or key=value; default, and the demo's where it differs):"]
+    for key, what in _RUN_KEYS.items():
+        lines.append(f"  {key:<22} {what}")
+    for field in dataclasses.fields(RLConfig):
+        default = defaults[field.name]
+        differs = f"   [demo: {demo[field.name]!r}]" if demo[field.name] != default else ""
+        lines.append(f"  {field.name:<22} {default!r}{differs}")
+    lines.append("each is described in RLConfig's docstring: python -c 'import torchforge; help(torchforge.RLConfig)'")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="torchforge", description="RL post-training of language models.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser(
+        "train", help="train (no arguments: the embedded demo)", epilog=_settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train the embedded demo (no settings) or a model given by `model`, `dataset` and "
+                    "`reward_functions`.")
+    train.add_argument("--config", help="a YAML file of settings")
+    train.add_argument("--resume", action="store_true", help="continue the run in output_dir from its last checkpoint")
+    train.add_argument("--overwrite", action="store_true",
+                       help="delete the run already in output_dir (config, metrics, checkpoints, final model) first")
+    train.add_argument("--debug", action="store_true", help="print full tracebacks")
+    train.add_argument("--nproc", metavar="N", help="processes to launch on this machine (torch.distributed.run)")
+    train.add_argument("--nnodes", metavar="N", help="machines in the run; run the same command on each")
+    train.add_argument("--node-rank", metavar="R", help="this machine's rank in [0, nnodes)")
+    train.add_argument("--master-addr", metavar="HOST", help="address of node 0 (the same on every node)")
+    train.add_argument("--master-port", metavar="P", help="a free port on node 0 (default 29500)")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="settings that override the file")
+    plot = commands.add_parser("plot", help="draw a run's curves to RUN_DIR/curves.png")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", help="PNG path")
+    from torchforge.trainer.eval_command import add_eval_parser
+
+    add_eval_parser(commands)
+    return parser
+
+
+def _reward_cause(error: BaseException) -> RewardRaised | None:
+    seen = error
+    while seen is not None:
+        if isinstance(seen, RewardRaised):
+            return seen
+        seen = seen.__cause__
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -197,27 +597,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments (default ``sys.argv[1:]``).
 
     Returns:
-        The exit status.
+        The exit status: 0 done, 1 the run failed, 2 a mistake in the settings, 130 Ctrl-C.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="torchforge", description="RL post-training of language models.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train (no arguments: the embedded demo)")
-    train.add_argument("--config", help="a YAML file of settings")
-    train.add_argument("--nproc", type=int, help="number of processes to launch (torch.distributed.run)")
-    train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
-    train.add_argument("overrides", nargs="*", metavar="key=value", help="settings that override the file")
-    plot = commands.add_parser("plot", help="draw a run's curves to RUN_DIR/curves.png")
-    plot.add_argument("run_dir")
-    plot.add_argument("--out", help="PNG path")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
+    if args.command == "eval":
+        from torchforge.trainer.eval_command import eval_main
+
+        return eval_main(args)
     if args.command == "plot":
         from torchforge.trainer.plot import plot_run
 
         print(plot_run(args.run_dir, args.out))
         return 0
     try:
-        return _train(args, argv[1:])
+        return _train(args)
     except InvalidArgumentError as error:
+        if args.debug:
+            traceback.print_exc()
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except RunInterrupted as stop:
+        print(str(stop), file=sys.stderr)
+        return _INTERRUPTED
+    except TorchforgeError as error:
+        if args.debug:
+            traceback.print_exc()
+        cause = _reward_cause(error)
+        hint = "" if args.debug else " (--debug prints the traceback)"
+        print(f"error: {cause if cause is not None else error}{hint}", file=sys.stderr)
+        return 1

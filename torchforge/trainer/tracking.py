@@ -25,7 +25,9 @@ class MetricsLogger:
     Args:
         output_dir: the run folder.
         total_steps: the length of the progress bar.
-        initial_step: where the bar starts (a resumed run).
+        initial_step: where the bar starts (a resumed run). A resumed run's
+            ``metrics.jsonl`` is cut back to this step and TensorBoard purges the later
+            steps, so the steps trained again after a resume are never logged twice.
         enabled: write anything at all.
         progress_bar: show the bar.
         tensorboard: write TensorBoard events.
@@ -53,10 +55,16 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if initial_step == 0 and self.path.exists():
             self.path.unlink()  # a fresh run replaces the old log; a resumed one appends
+        elif initial_step > 0:
+            from torchforge.trainer.run_dir import truncate_metrics
+
+            truncate_metrics(output_dir, initial_step)  # steps after the checkpoint are trained again
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+            # purge_step: TensorBoard drops the earlier events at steps >= it (the resumed ones)
+            self._writer = SummaryWriter(str(Path(output_dir) / "tensorboard"),
+                                         purge_step=initial_step + 1 if initial_step > 0 else None)
         if progress_bar:
             self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True)
 

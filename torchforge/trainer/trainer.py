@@ -59,6 +59,7 @@ from torchforge.reduce import Aggregation, masked_mean
 from torchforge.trainer import episodes
 from torchforge.trainer.algorithms import Algorithm, algorithm_from_name
 from torchforge.trainer.config import RLConfig
+from torchforge.trainer.run_dir import RunInterrupted, StopOnInterrupt
 from torchforge.trainer.tracking import MetricsLogger
 
 __all__ = ["RLTrainer"]
@@ -526,6 +527,12 @@ class RLTrainer:
         extra = load_checkpoint(found[-1], model=self.modules, optimizer=self.optimizer, scheduler=self.scheduler)
         return int(extra["step"])
 
+    def _stop_interrupted(self, last_saved: Path | None) -> None:
+        """Ctrl-C between steps: checkpoint this step (unless just saved), then raise RunInterrupted."""
+        if last_saved is None or last_saved.name != f"step-{self.step:06d}":
+            self.save(self.step)
+        raise RunInterrupted(self.step, self.step)
+
     def train(self) -> dict[str, Any]:
         """Run until ``max_steps`` (or ``num_train_epochs``), logging, checkpointing and exporting.
 
@@ -541,10 +548,11 @@ class RLTrainer:
         if is_main_process():
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        start = self.resume() if cfg.resume else 0
+        start = self.step = self.resume() if cfg.resume else 0
         logger = MetricsLogger(self.output_dir, total_steps=self.total_steps, initial_step=start,
                                enabled=is_main_process(), progress_bar=cfg.progress_bar)
         last_saved = None
+        interrupt = StopOnInterrupt()  # the first Ctrl-C stops after the current step
         try:
             for step in range(start, self.total_steps):
                 metrics = self.train_step(step)
@@ -555,8 +563,11 @@ class RLTrainer:
                 logger.advance()
                 if cfg.save_steps and self.step % cfg.save_steps == 0:
                     last_saved = self.save(self.step)
+                if interrupt.requested():
+                    self._stop_interrupted(last_saved)
         finally:
             logger.close()
+            interrupt.close()
         if last_saved is None or self.step != int(last_saved.name.split("-")[1]):
             last_saved = self.save(self.step)
         final = self.output_dir / "final"
