@@ -287,6 +287,17 @@ def test_overwrite_replaces_the_checkpoint(tmp_path):
     model = torch.nn.Linear(2, 2)
     assert load_checkpoint(tmp_path / "ck", model=model) == {"v": "b"}
     assert torch.equal(model.weight, b.weight)
+    # a folder that holds anything but a checkpoint is refused, never replaced
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}")
+    with pytest.raises(InvalidArgumentError, match=r"save_checkpoint: path=.*run' exists and holds \['metrics.jsonl'\], "
+                                                   r"which a checkpoint does not"):
+        save_checkpoint(tmp_path / "run", model=a)
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["metrics.jsonl"]
+    assert not (tmp_path / ".run.incomplete").exists()
+    (tmp_path / "empty").mkdir()
+    save_checkpoint(tmp_path / "empty", model=a)  # an empty folder is fine
+    assert load_checkpoint(tmp_path / "empty", model=model, restore_rng=False) == {}
 
 
 def test_latest_checkpoint(tmp_path):

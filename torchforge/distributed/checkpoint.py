@@ -74,6 +74,7 @@ _DCP_DIR = "dcp"
 _FORMAT = 2  # per-rank files that load with weights_only=True; 1: pickled RNG objects
 _INCOMPLETE = ".incomplete"
 _STEP_NAME = re.compile(r"step-(\d+)")
+_RANK_FILE = re.compile(r"rank_(\d+)\.pt")
 # What reading a truncated, corrupted or hostile file raises (never a bare Exception).
 _READ_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, TypeError,
                 AttributeError, ImportError, KeyError, IndexError, UnicodeDecodeError)
@@ -360,8 +361,9 @@ def save_checkpoint(
     rank must call this (it is a collective).
 
     Args:
-        path: checkpoint folder (an existing checkpoint there is replaced, only once the
-            new one is complete).
+        path: checkpoint folder: new, empty, or an existing checkpoint (replaced, only
+            once the new one is complete). A folder holding anything else is refused,
+            never deleted.
         model: the model being trained: plain, DDP-wrapped or FSDP2-sharded.
         optimizer: its optimizer, or None.
         scheduler: an object with ``state_dict()`` / ``load_state_dict()`` (an LR
@@ -375,7 +377,7 @@ def save_checkpoint(
 
     Raises:
         InvalidArgumentError: ``extra`` or the scheduler state holds another type (the
-            message names the key); nothing is written then.
+            message names the key), or ``path`` holds other files; nothing is written then.
 
     Example:
         >>> import tempfile, torch
@@ -399,6 +401,14 @@ def save_checkpoint(
     _check_plain(fn, "extra", extra, tensors=False)
     scheduler_state = scheduler.state_dict() if scheduler is not None else None
     _check_plain(fn, "the scheduler state", scheduler_state, tensors=True)
+    if path.exists():
+        others = sorted(c.name for c in path.iterdir() if not _RANK_FILE.fullmatch(c.name) and c.name != _DCP_DIR) \
+            if path.is_dir() else [path.name]
+        if others:
+            raise InvalidArgumentError(
+                f"{fn}: path={str(path)!r} exists and holds {others[:5]}, which a checkpoint does not; "
+                "expected a new folder or an existing checkpoint (which is replaced): pick another path"
+            )
     staging = _staging(path)
     if is_main_process():
         if staging.exists():  # left by a run killed while saving
