@@ -105,6 +105,7 @@ _LAZY = {
         "rollout", "decode_completions", "completion_mask", "policy_log_probs", "ValueModel",
         "accumulate_gradients", "optimizer_step", "micro_batches",
         "RewardFunction", "RewardError", "score_rewards",
+        "rollout_episodes", "Environment", "StepResult",
     ], "torchforge.loop"),
 }
 
@@ -138,6 +139,9 @@ __all__ = [
     "micro_batches",
     "accumulate_gradients",
     "optimizer_step",
+    "rollout_episodes",
+    "Environment",
+    "StepResult",
     # rewards
     "score_rewards",
     "RewardError",

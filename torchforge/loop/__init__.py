@@ -14,6 +14,7 @@ handwritten loop can call them too:
 :func:`evaluate` scores sampled and greedy completions of held-out prompts (pass@k).
 """
 
+from torchforge.loop.environments import Environment, Episodes, StepResult, episode_metrics, rollout_episodes
 from torchforge.loop.evaluate import evaluate, pass_at_k
 from torchforge.loop.policy import (
     ValueModel,
@@ -39,6 +40,11 @@ __all__ = [
     "head_transform",
     "rollout_log_prob_gap",
     "ValueModel",
+    "Environment",
+    "StepResult",
+    "Episodes",
+    "rollout_episodes",
+    "episode_metrics",
     "RewardFunction",
     "RewardError",
     "score_rewards",
