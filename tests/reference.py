@@ -225,6 +225,17 @@ def lm_head_logits_ref(hidden, weight, bias=None):
     return out
 
 
+def head_transform_ref(logits, logit_scale=None, softcap=None):
+    """z' = softcap * tanh(logit_scale * z / softcap) (z' = logit_scale * z without a cap),
+    element by element in Python floats, as the models' own heads: scale first, then cap."""
+    out = torch.zeros(logits.shape, dtype=torch.float64)
+    flat, flat_out = logits.reshape(-1), out.view(-1)
+    for i in range(flat.numel()):
+        z = float(flat[i]) * (1.0 if logit_scale is None else logit_scale)
+        flat_out[i] = z if softcap is None else softcap * math.tanh(z / softcap)
+    return out
+
+
 # --- distributed ------------------------------------------------------------------------
 
 def global_counts_ref(masks_per_rank):
