@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 import torchforge.log_probs as log_probs_module
-from tests.reference import lm_head_logits_ref, token_entropy_ref, token_log_probs_ref
+from tests.reference import (
+    head_transform_ref,
+    lm_head_logits_ref,
+    token_entropy_ref,
+    token_log_probs_ref,
+)
 from torchforge.errors import DTypeError, InvalidArgumentError, MissingKeyError, ShapeError
 from torchforge.log_probs import fused_token_log_probs, token_entropy, token_log_probs
 
@@ -416,6 +421,125 @@ def test_bad_inputs_fused():
         fn(hidden, weight, tokens, temperature=0)
     with pytest.raises(InvalidArgumentError, match="fused_token_log_probs: return_entropy must be a bool"):
         fn(hidden, weight, tokens, return_entropy=1)
+
+
+# ----------------------------------------------------------------------------------------
+# The head's logit transform: z' = softcap * tanh(logit_scale * z / softcap)
+# ----------------------------------------------------------------------------------------
+
+def _transformed_unfused(hidden, weight, tokens, bias=None, temperature=1.0, logit_scale=None, softcap=None):
+    """Plain autograd through the transform, as a model's forward applies it."""
+    z = hidden.double() @ weight.double().t() + (bias.double() if bias is not None else 0)
+    if logit_scale is not None:
+        z = z * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    log_p = torch.log_softmax(z / temperature, dim=-1)
+    return log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+
+
+def test_fused_head_transform_hand_derived():
+    weight = torch.tensor([[0.0], [1.0]], dtype=torch.float64)
+    # soft cap 30 at head logits (0, 60): z' = (0, 30 tanh 2); log p(0) = -log(1 + e^{30 tanh 2})
+    hidden = torch.tensor([[[60.0]]], dtype=torch.float64)
+    capped = 30 * math.tanh(2.0)
+    got = fused_token_log_probs(hidden, weight, torch.tensor([[0]]), softcap=30.0)
+    assert float(got) == pytest.approx(-math.log1p(math.exp(capped)), abs=1e-12)
+    # Granite's z / 4 (logit_scale 0.25) then temperature 0.5: z'' = (0, 60 / 4 / 0.5) = (0, 30)
+    got = fused_token_log_probs(hidden, weight, torch.tensor([[0]]), logit_scale=0.25, temperature=0.5)
+    assert float(got) == pytest.approx(-math.log1p(math.exp(30.0)), abs=1e-12)
+    # scale then cap (output_multiplier before the cap): 30 tanh(0.5 * 60 / 30) = 30 tanh 1
+    got, ent = fused_token_log_probs(hidden, weight, torch.tensor([[1]]), logit_scale=0.5, softcap=30.0,
+                                     return_entropy=True)
+    z1 = 30 * math.tanh(1.0)
+    assert float(got) == pytest.approx(z1 - math.log1p(math.exp(z1)), abs=1e-12)
+    p1 = 1 / (1 + math.exp(-z1))
+    assert float(ent) == pytest.approx(-(p1 * math.log(p1) + (1 - p1) * math.log1p(-p1)), rel=1e-9)
+
+
+@SETTINGS
+@given(B=st.integers(1, 2), T=st.integers(1, 3), H=st.integers(1, 4), V=st.integers(2, 12),
+       seed=st.integers(0, 10_000), temperature=st.sampled_from([1.0, 0.7]),
+       logit_scale=st.sampled_from([None, 0.25, 3.0]), softcap=st.sampled_from([None, 1.5, 30.0]),
+       chunk_size=st.integers(1, 5))
+def test_fused_head_transform_matches_reference(B, T, H, V, seed, temperature, logit_scale, softcap, chunk_size):
+    hidden, weight, bias, tokens = _head(seed, B, T, H, V)
+    z = head_transform_ref(lm_head_logits_ref(hidden.detach(), weight.detach(), bias.detach()), logit_scale, softcap)
+    lp, ent = fused_token_log_probs(hidden, weight, tokens, bias, temperature=temperature, logit_scale=logit_scale,
+                                    softcap=softcap, chunk_size=chunk_size, return_entropy=True)
+    torch.testing.assert_close(lp, token_log_probs_ref(z, tokens, temperature), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ent, token_entropy_ref(z, temperature), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("logit_scale, softcap", [(None, 2.0), (1.7, None), (0.6, 1.5)])
+def test_gradcheck_fused_head_transform(logit_scale, softcap, monkeypatch):
+    monkeypatch.setattr(log_probs_module, "_FUSED_BACKWARD_ROWS", 4)  # 2 row blocks x 3 vocab tiles
+    hidden, weight, bias, tokens = _head(2, 2, 3, 4, 6)
+
+    def fn(h, w, b):
+        return fused_token_log_probs(h, w, tokens, b, temperature=0.9, logit_scale=logit_scale, softcap=softcap,
+                                     chunk_size=2, return_entropy=True)
+
+    assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
+    assert torch.autograd.gradcheck(lambda *xs: fn(*xs)[0], (hidden, weight, bias))  # log-probs alone
+    assert torch.autograd.gradcheck(lambda *xs: fn(*xs)[1], (hidden, weight, bias))  # entropy alone
+
+
+@pytest.mark.parametrize("logit_scale, softcap", [(None, 30.0), (0.25, None), (0.25, 30.0)])
+def test_fused_head_transform_at_realistic_magnitudes(logit_scale, softcap, monkeypatch):
+    # float32, logits the model returns reaching |z'| of 20-40 (where a skipped transform
+    # costs nats): values and gradients equal float64 autograd through the transform
+    monkeypatch.setattr(log_probs_module, "_FUSED_BACKWARD_ROWS", 8)  # several row blocks
+    B, T, H, V = 2, 9, 16, 300
+    hidden, weight, bias, tokens = _head(7, B, T, H, V, dtype=torch.float32)
+    with torch.no_grad():  # the returned logits reach 36 (the head's own 45 under a cap)
+        z = hidden @ weight.t() + bias
+        reach = 1.25 * 36.0 if softcap is not None else 36.0 / (logit_scale or 1.0)
+        factor = reach / float(z.abs().max())
+        weight.mul_(factor)
+        bias.mul_(factor)
+    g_lp, g_ent = torch.randn(2, B, T, generator=torch.Generator().manual_seed(3))
+    lp, ent = fused_token_log_probs(hidden, weight, tokens, bias, logit_scale=logit_scale, softcap=softcap,
+                                    chunk_size=5, return_entropy=True)
+    grads = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (hidden, weight, bias))
+    ref_lp, ref_ent = _transformed_unfused(hidden, weight, tokens, bias, logit_scale=logit_scale, softcap=softcap)
+    ref_grads = torch.autograd.grad((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum(), (hidden, weight, bias))
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-4, atol=1e-4)
+    for got, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), ref.double(), rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    # the same logits without the transform: nats away
+    skipped = fused_token_log_probs(hidden, weight, tokens, bias)
+    assert float((skipped.double() - ref_lp).detach().abs().max()) > 1.0
+
+
+def test_fused_head_transform_bf16(monkeypatch):
+    monkeypatch.setattr(log_probs_module, "_FUSED_BACKWARD_ROWS", 4)
+    hidden, weight, bias, tokens = _head(5, 2, 5, 8, 40)
+    with torch.no_grad():
+        weight.mul_(4.0)
+    lp, ent = fused_token_log_probs(hidden.bfloat16(), weight.bfloat16(), tokens, bias.bfloat16(), softcap=10.0,
+                                    logit_scale=0.5, chunk_size=3, return_entropy=True)
+    assert lp.dtype == torch.float32 and ent.dtype == torch.float32
+    # against float64 on the bf16-rounded inputs: only the matmul runs in bf16
+    ref_lp, ref_ent = _transformed_unfused(hidden.bfloat16(), weight.bfloat16(), tokens, bias.bfloat16(),
+                                           logit_scale=0.5, softcap=10.0)
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=0.15)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=0, atol=0.15)
+
+
+def test_bad_inputs_head_transform():
+    hidden, weight, _, tokens = _head(0, 2, 3, 4, 6, dtype=torch.float32)
+    fn = fused_token_log_probs
+    for name in ("logit_scale", "softcap"):
+        for bad in (0, -1.0, math.inf, math.nan):
+            with pytest.raises(InvalidArgumentError, match=rf"fused_token_log_probs: {name} must be a finite number "
+                                                           rf"> 0 or None, got {bad!r}"):
+                fn(hidden, weight, tokens, **{name: bad})
+        for bad in ("1", True):
+            with pytest.raises(InvalidArgumentError, match=rf"fused_token_log_probs: {name} must be a number or "
+                                                           rf"None, got {type(bad).__name__}"):
+                fn(hidden, weight, tokens, **{name: bad})
 
 
 # ----------------------------------------------------------------------------------------
