@@ -32,6 +32,7 @@ import concurrent.futures
 import inspect
 import logging
 import math
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -129,25 +130,59 @@ class Environment:
         raise NotImplementedError(f"{type(self).__name__}.step is not implemented")
 
 
-# --- calling environments: one daemon thread per call, so a hung one never blocks exit -----
+# --- calling environments: daemon threads, so that a hung one never blocks the exit ----------
+
+class _DaemonPool:
+    """Runs each call on an idle daemon thread, or a new one when none is idle.
+
+    A call never waits for a thread (one per outstanding call, as if each had its own), and
+    the threads are reused across turns: starting a thread per call cost more than the
+    environments' steps themselves (``bench_loop.py --multi-turn``). A hung call keeps its
+    thread, and the interpreter can still exit (daemon threads are not joined).
+    """
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            start = self._idle == 0
+            self._idle -= 0 if start else 1
+        self._calls.put((future, fn, args))
+        if start:
+            threading.Thread(target=self._work, daemon=True, name="torchforge-env").start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._calls.get()
+            begin = time.perf_counter()
+            error = None
+            try:
+                result = fn(*args)
+                if inspect.isawaitable(result):  # an async def: run it in this thread's own loop
+                    result = asyncio.run(_awaited(result))
+            except BaseException as caught:  # noqa: BLE001 - reported to the caller as the episode's fault
+                error = caught
+            seconds = time.perf_counter() - begin
+            with self._lock:  # idle before the caller hears back: its next calls reuse this thread
+                self._idle += 1
+            if error is None:
+                future.set_result((result, seconds))
+            else:
+                future.set_exception(error)
+            del future, fn, args, error
+
+
+_POOL = _DaemonPool()
+
 
 def _call_async(fn: Callable, *args: Any) -> concurrent.futures.Future:
-    """Run ``fn(*args)`` in a daemon thread (an ``async def`` in its own event loop)."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        start = time.perf_counter()
-        try:
-            result = fn(*args)
-            if inspect.isawaitable(result):
-                result = asyncio.run(_awaited(result))
-        except BaseException as error:  # noqa: BLE001 - reported to the caller as the episode's fault
-            future.set_exception(error)
-        else:
-            future.set_result((result, time.perf_counter() - start))
-
-    threading.Thread(target=run, daemon=True, name="torchforge-env").start()
-    return future
+    """Run ``fn(*args)`` on a daemon thread; the future holds ``(result, seconds)``."""
+    return _POOL.submit(fn, *args)
 
 
 async def _awaited(awaitable: Any) -> Any:
@@ -204,10 +239,6 @@ def _need_template(tokenizer: Any, what: str) -> None:
         )
 
 
-def _encode(tokenizer: Any, text: str, *, special: bool = False) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
-
-
 class _Episode:
     """The state of one episode while it is played."""
 
@@ -237,10 +268,10 @@ class _Episode:
                 logger.warning("rollout_episodes: %s.close() raised %s: %s", type(self.env).__name__,
                                type(error).__name__, error)
 
-    def observation_tokens(self, tokenizer: Any, observation: Any, action: list[int], stop_ids: Sequence[int]) -> list[int]:
-        """Tokens of an observation that follows the model's turn ``action`` (tokenized once)."""
+    def observation_text(self, tokenizer: Any, observation: Any, action: list[int], stop_ids: Sequence[int]) -> str:
+        """The text of an observation that follows the model's turn ``action`` (to tokenize once, as is)."""
         if isinstance(observation, str):
-            return _encode(tokenizer, observation)
+            return observation
         _need_template(tokenizer, "an observation")
         history = self.messages if self.messages is not None else []
         history.append({"role": "assistant", "content": tokenizer.decode(action, skip_special_tokens=True)})
@@ -262,25 +293,33 @@ class _Episode:
             if glue.startswith(stop_text):
                 glue = glue[len(stop_text):]
         self.messages = history + list(observation)
-        return _encode(tokenizer, glue + after[len(before):])
+        return glue + after[len(before):]
 
 
-def _prompt_tokens(tokenizer: Any, episode: _Episode, first: Any) -> list[int]:
+def _prompt_text(tokenizer: Any, episode: _Episode, first: Any) -> tuple[str, bool]:
+    """The prompt's text, and whether to add the tokenizer's special tokens when encoding it."""
     if isinstance(first, str):
         # as rollout() tokenizes a rendered prompt: special tokens only without a chat template
-        tokens = _encode(tokenizer, first, special=getattr(tokenizer, "chat_template", None) is None)
-    elif isinstance(first, list):
+        return first, getattr(tokenizer, "chat_template", None) is None
+    if isinstance(first, list):
         _need_template(tokenizer, "a reset() observation")
         episode.messages = list(first)
-        tokens = _encode(tokenizer, _template(tokenizer, episode.messages, episode.tools, add_generation_prompt=True))
-    else:
-        raise EpisodeError(
-            f"rollout_episodes: {type(episode.env).__name__}.reset returned {first!r}; expected a str or a "
-            "list of chat messages"
-        )
-    if not tokens:
-        raise EpisodeError(f"rollout_episodes: {type(episode.env).__name__}.reset returned a prompt of no tokens")
-    return tokens
+        return _template(tokenizer, episode.messages, episode.tools, add_generation_prompt=True), False
+    raise EpisodeError(
+        f"rollout_episodes: {type(episode.env).__name__}.reset returned {first!r}; expected a str or a "
+        "list of chat messages"
+    )
+
+
+def _encode_all(tokenizer: Any, texts: list[str], special: list[bool]) -> list[list[int]]:
+    """Token ids of every text: one tokenizer call per value of ``special``."""
+    out: list[list[int]] = [[] for _ in texts]
+    for flag in (False, True):
+        rows = [i for i, s in enumerate(special) if s == flag]
+        if rows:
+            for i, ids in zip(rows, tokenizer([texts[i] for i in rows], add_special_tokens=flag)["input_ids"]):
+                out[i] = list(ids)
+    return out
 
 
 # --- the result ---------------------------------------------------------------------------
@@ -510,7 +549,11 @@ def rollout_episodes(
     for b, (ep, (first, _, fault)) in enumerate(zip(episodes, starts)):
         if fault is not None:
             raise EpisodeError(f"{fn}: the reset() of episode {b} ({type(ep.env).__name__}) {fault}")
-        ep.prompt = _prompt_tokens(tokenizer, ep, first)
+    texts, special = zip(*(_prompt_text(tokenizer, ep, first) for ep, (first, _, _) in zip(episodes, starts)))
+    for b, (ep, prompt) in enumerate(zip(episodes, _encode_all(tokenizer, list(texts), list(special)))):
+        if not prompt:
+            raise EpisodeError(f"{fn}: the reset() of episode {b} ({type(ep.env).__name__}) returned a prompt of no tokens")
+        ep.prompt = prompt
     global_ids = [ids[b // G] * G + b % G for b in range(N * G)]
 
     # --- the turns ------------------------------------------------------------------------
@@ -543,6 +586,7 @@ def rollout_episodes(
         # the environments answer, concurrently
         texts = {b: tokenizer.decode(actions[b], skip_special_tokens=True) for b in live}
         answers = _gather([_call_async(episodes[b].env.step, texts[b]) for b in live], step_timeout)
+        observed: dict[int, str] = {}
         for b, (value, seconds, fault) in zip(live, answers):
             ep = episodes[b]
             ep.env_seconds.append(seconds)
@@ -565,13 +609,17 @@ def rollout_episodes(
             elif turn == max_turns - 1:
                 ep.finish("max_turns", truncated=True)
             elif result.observation is not None:
-                observation = ep.observation_tokens(tokenizer, result.observation, actions[b], stop_ids)
-                if len(ep.tokens) + len(observation) >= max_total_tokens:
-                    ep.finish("max_total_tokens", truncated=True)
-                else:
-                    ep.tokens += observation
-                    ep.is_model += [False] * len(observation)
-                    ep.log_probs += [0.0] * len(observation)
+                observed[b] = ep.observation_text(tokenizer, result.observation, actions[b], stop_ids)
+        # the observations, tokenized once (in one call) and appended as mask gaps
+        encoded = _encode_all(tokenizer, list(observed.values()), [False] * len(observed))
+        for b, observation in zip(observed, encoded):
+            ep = episodes[b]
+            if len(ep.tokens) + len(observation) >= max_total_tokens:
+                ep.finish("max_total_tokens", truncated=True)
+            else:
+                ep.tokens += observation
+                ep.is_model += [False] * len(observation)
+                ep.log_probs += [0.0] * len(observation)
 
     return _to_batch(episodes, pad_id, gamma)
 
@@ -581,36 +629,33 @@ def _to_batch(episodes: list[_Episode], pad_id: int, gamma: float) -> tuple[Batc
     B = len(episodes)
     T = max(len(ep.tokens) for ep in episodes)
     P = max(len(ep.prompt) for ep in episodes)
-    tokens = torch.full((B, T), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    log_probs = torch.zeros(B, T, dtype=torch.float32)
-    rewards = torch.zeros(B, T, dtype=torch.float32)
-    turn_index = torch.full((B, T), -1, dtype=torch.long)
-    prompt_tokens = torch.full((B, P), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros(B, P, dtype=torch.bool)
-    returns = torch.zeros(B, dtype=torch.float32)
+    # padded Python lists, then one tensor each (per-row tensor writes cost more than the rest)
+    tokens = torch.tensor([ep.tokens + [pad_id] * (T - len(ep.tokens)) for ep in episodes], dtype=torch.long)
+    mask = torch.tensor([ep.is_model + [False] * (T - len(ep.tokens)) for ep in episodes], dtype=torch.bool)
+    log_probs = torch.tensor([ep.log_probs + [0.0] * (T - len(ep.tokens)) for ep in episodes], dtype=torch.float32)
+    prompt_tokens = torch.tensor([[pad_id] * (P - len(ep.prompt)) + ep.prompt for ep in episodes], dtype=torch.long)
+    prompt_mask = torch.tensor([[False] * (P - len(ep.prompt)) + [True] * len(ep.prompt) for ep in episodes])
+    rewards = [[0.0] * T for _ in episodes]
+    turn_index = [[-1] * T for _ in episodes]
     for b, ep in enumerate(episodes):
-        n, p = len(ep.tokens), len(ep.prompt)
-        tokens[b, :n] = torch.tensor(ep.tokens, dtype=torch.long)
-        mask[b, :n] = torch.tensor(ep.is_model, dtype=torch.bool)
-        log_probs[b, :n] = torch.tensor(ep.log_probs, dtype=torch.float32)
-        prompt_tokens[b, P - p:] = torch.tensor(ep.prompt, dtype=torch.long)
-        prompt_mask[b, P - p:] = True
         start = 0
         for k, (end, reward) in enumerate(zip(ep.turn_ends, ep.turn_rewards)):
-            rewards[b, end] = reward
-            turn_index[b, start:end + 1] = torch.where(mask[b, start:end + 1], k, -1)
+            rewards[b][end] = reward
+            for t in range(start, end + 1):
+                if ep.is_model[t]:
+                    turn_index[b][t] = k
             start = end + 1
-        returns[b] = sum(gamma ** k * r for k, r in enumerate(ep.turn_rewards))
+    returns = torch.tensor([sum(gamma ** k * r for k, r in enumerate(ep.turn_rewards)) for ep in episodes],
+                           dtype=torch.float32)
     batch = Batch(
-        tokens=tokens, mask=mask, rollout_log_probs=log_probs, rewards=rewards,
+        tokens=tokens, mask=mask, rollout_log_probs=log_probs, rewards=torch.tensor(rewards, dtype=torch.float32),
         prompt_tokens=prompt_tokens, prompt_mask=prompt_mask,
         truncated=torch.tensor([ep.truncated for ep in episodes], dtype=torch.bool), batch_size=[B],
     )
     record = Episodes(
         turns=torch.tensor([len(ep.turn_ends) for ep in episodes], dtype=torch.long),
         lengths=torch.tensor([len(ep.tokens) for ep in episodes], dtype=torch.long), returns=returns,
-        turn_rewards=[list(ep.turn_rewards) for ep in episodes], turn_index=turn_index,
+        turn_rewards=[list(ep.turn_rewards) for ep in episodes], turn_index=torch.tensor(turn_index, dtype=torch.long),
         reasons=[ep.reason for ep in episodes],
         faulted=torch.tensor([ep.faulted for ep in episodes], dtype=torch.bool),
         env_seconds=[s for ep in episodes for s in ep.env_seconds],
