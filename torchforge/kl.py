@@ -42,13 +42,15 @@ def _k3(log_ratio: torch.Tensor, max_ratio: float) -> torch.Tensor:
     Value and gradient are continuous; ``|d k3 / d log_ratio| = |1 - r'| <= max(1,
     max_ratio - 1)`` everywhere; exactly Schulman's k3 wherever ``r <= max_ratio``.
     """
+    # c = min(log r, log max_ratio), excess = log r - c >= 0 (the clamp passes the gradient
+    # at the knee, so only the exp branch does there); r - 1 - log r = e + (e + 1) excess -
+    # (c + excess) = e - c + e * excess with e = expm1(c). expm1 keeps k3 exact near 0.
     log_r = -log_ratio
-    log_max = math.log(max_ratio)
-    # r - 1 = expm1(c) + exp(c) * d with c = min(log r, log max_ratio), d = the excess;
-    # expm1 keeps k3 exact near 0, where r - 1 and log r cancel.
-    r_minus_1 = torch.expm1(log_r.clamp(max=log_max))
-    excess = torch.relu(log_r - log_max)  # relu: at the knee only the exp branch passes gradient
-    return r_minus_1 + (r_minus_1 + 1) * excess - log_r
+    if math.isinf(max_ratio):  # Schulman's k3 as written
+        return torch.expm1(log_r) - log_r
+    c = log_r.clamp(max=math.log(max_ratio))
+    e = torch.expm1(c)
+    return e - c + e * (log_r - c)
 
 
 @batch_args
@@ -170,23 +172,31 @@ def approx_kl(
         check_same_shape(fn, "old_log_probs", old_log_probs, "log_probs", log_probs)
         check_float(fn, "old_log_probs", old_log_probs)
 
-    log_ratio = log_probs.float() - ref_log_probs.float()
-    k2 = 0.5 * log_ratio**2
+    rho = None
+    if gradient == "bias-corrected":
+        rho = torch.exp((log_probs.float() - old_log_probs.detach().float()).clamp(-max_log_ratio, max_log_ratio))
+    kl = _estimate(log_probs.float() - ref_log_probs.float(), estimator, gradient, max_ratio, rho)
+    if weights is not None:
+        kl = weights.detach().float() * kl
+    return kl
+
+
+def _estimate(log_ratio: torch.Tensor, estimator: str, gradient: str, max_ratio: float, rho=None) -> torch.Tensor:
+    """The body of :func:`approx_kl` from ``log_ratio = log pi - log ref`` (and, for
+    ``"bias-corrected"``, ``rho = pi / pi_old`` with its gradient); no checks."""
     if estimator == "k1":
         kl = log_ratio
     elif estimator == "k2":
-        kl = k2
+        kl = 0.5 * log_ratio**2
     elif estimator == "k3":
         kl = _k3(log_ratio, max_ratio)
     else:
         kl = log_ratio.abs()
     if gradient == "straight-through":
+        k2 = 0.5 * log_ratio**2
         kl = kl.detach() + (k2 - k2.detach())
     elif gradient == "bias-corrected":
-        rho = torch.exp((log_probs.float() - old_log_probs.detach().float()).clamp(-max_log_ratio, max_log_ratio))
         kl = kl * rho
-    if weights is not None:
-        kl = weights.detach().float() * kl
     return kl
 
 

@@ -37,7 +37,7 @@ from torchforge.errors import (
     check_tensor,
     shape_str,
 )
-from torchforge.kl import KL_ESTIMATORS, KL_GRADIENTS, approx_kl
+from torchforge.kl import KL_ESTIMATORS, KL_GRADIENTS, _estimate
 from torchforge.reduce import (
     Aggregation,
     masked_max,
@@ -233,7 +233,8 @@ def _frac_by_sign(flags: torch.Tensor, A: torch.Tensor, mask: torch.Tensor, coun
 
 def _ppo_per_token(fn, log_probs, old_log_probs, advantages, mask, weights, *,
                    clip_low, clip_high, dual_clip, ratio_level, max_log_ratio):
-    """The per-token loss of :func:`ppo_loss` (weights applied) and its metrics."""
+    """The per-token loss of :func:`ppo_loss` (weights applied), its metrics, and the
+    token log-ratio (0 where masked) and ratio for :func:`grpo_loss`'s KL term."""
     _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
     clip_high = _check_clip(fn, clip_low, clip_high, dual_clip)
     check_choice(fn, "ratio_level", ratio_level, RATIO_LEVELS)
@@ -263,7 +264,7 @@ def _ppo_per_token(fn, log_probs, old_log_probs, advantages, mask, weights, *,
             metrics["dual_clip_frac"] = _frac_by_sign(ratio > dual_clip, A, mask, count)[0]
         token_ratio = ratio if ratio_level == "token" else None
         metrics.update(_ratio_metrics(log_ratio, ratio, mask, count, max_log_ratio, token_ratio=token_ratio))
-    return pg_loss, metrics
+    return pg_loss, metrics, log_ratio
 
 
 @batch_args
@@ -351,7 +352,7 @@ def ppo_loss(
         ranks (means weighted by tokens, ``ratio_max`` / ``ratio_min`` by max / min).
     """
     fn = "ppo_loss"
-    pg_loss, metrics = _ppo_per_token(
+    pg_loss, metrics, _ = _ppo_per_token(
         fn, log_probs, old_log_probs, advantages, mask, weights, clip_low=clip_low,
         clip_high=clip_high, dual_clip=dual_clip, ratio_level=ratio_level, max_log_ratio=max_log_ratio,
     )
@@ -448,7 +449,7 @@ def grpo_loss(
             f"{fn}: kl_coef={kl_coef} needs ref_log_probs ([B, T] log-probs under the "
             "reference policy); pass them, or kl_coef=0"
         )
-    pg_loss, metrics = _ppo_per_token(
+    pg_loss, metrics, log_ratio = _ppo_per_token(
         fn, log_probs, old_log_probs, advantages, mask, weights, clip_low=clip_low,
         clip_high=clip_high, dual_clip=dual_clip, ratio_level=ratio_level, max_log_ratio=max_log_ratio,
     )
@@ -456,12 +457,11 @@ def grpo_loss(
     if kl_coef > 0:
         check_same_shape(fn, "ref_log_probs", ref_log_probs, "log_probs", log_probs)
         check_float(fn, "ref_log_probs", ref_log_probs)
-        # Zero every side at masked positions so that a NaN there cannot reach the gradient.
-        kl = approx_kl(
-            torch.where(mask, log_probs.float(), 0.0), torch.where(mask, ref_log_probs.float(), 0.0),
-            old_log_probs=torch.where(mask, old_log_probs.float(), 0.0),
-            estimator=kl_estimator, gradient=kl_gradient, max_log_ratio=max_log_ratio,
-        )
+        # kl = approx_kl(log_probs, ref_log_probs, old_log_probs=old_log_probs, ...) on the
+        # counted tokens; its log-ratio is 0 where masked, so a NaN there reaches nothing.
+        kl_log_ratio = torch.where(mask, log_probs.float() - ref_log_probs.detach().float(), 0.0)
+        rho = torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio)) if kl_gradient == "bias-corrected" else None
+        kl = _estimate(kl_log_ratio, kl_estimator, kl_gradient, 2.0, rho)  # approx_kl's max_ratio
         per_token = per_token + kl_coef * kl
         with torch.no_grad():
             metrics["kl"] = masked_mean(kl.detach(), mask)
@@ -855,7 +855,7 @@ def clip_cov_loss(
         here: the gradient is the same, the loss value keeps their term.
     """
     fn = "clip_cov_loss"
-    pg_loss, metrics = _ppo_per_token(
+    pg_loss, metrics, _ = _ppo_per_token(
         fn, log_probs, old_log_probs, advantages, mask, None, clip_low=clip_low,
         clip_high=clip_high, dual_clip=None, ratio_level="token", max_log_ratio=max_log_ratio,
     )
