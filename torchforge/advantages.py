@@ -1,5 +1,6 @@
-"""Advantage estimators and returns: group-normalized (GRPO), leave-one-out (RLOO),
-discounted reward-to-go, REINFORCE++, KL-shaped rewards and GAE.
+"""Advantage estimators and returns: group-normalized (GRPO, Dr. GRPO, GDPO), leave-one-out
+(RLOO), Pass@k training, OPO, ReMax, discounted reward-to-go, REINFORCE++, KL-shaped
+rewards and GAE.
 
 Conventions shared by every function here:
 
@@ -12,8 +13,13 @@ Conventions shared by every function here:
 - ``rewards`` for the token-level functions is either [B, T] (token rewards, read at
   counted positions only) or [B] (one reward per sequence, placed on the last counted
   token of its row; a row with no counted token drops it).
+- Groups (the G samples of one prompt) are contiguous blocks of ``group_size`` rows, or
+  the rows sharing a ``group_ids`` value (any order, any sizes); pass exactly one. A group
+  whose finite rewards are all exactly equal gets advantage 0 in every group estimator,
+  and adding a constant to every reward changes no advantage.
 - No Python branch depends on tensor values, so every function compiles with
-  ``torch.compile(fullgraph=True)``.
+  ``torch.compile(fullgraph=True)``, except with ``group_ids`` (one synchronization to
+  size the table of groups) and ``passk_advantages`` (it checks that rewards are 0 / 1).
 """
 
 from __future__ import annotations
@@ -69,24 +75,6 @@ def _raise_rewards_shape(fn: str, rewards: torch.Tensor, mask: torch.Tensor):
         f"{fn}: rewards has shape {shape_str(rewards)} but mask has shape {shape_str(mask)}; "
         f"expected ({mask.shape[0]},) or {shape_str(mask)}"
     )
-
-
-def _token_rewards(fn: str, rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] float32 token rewards, 0 where ``mask`` is False (the one place rewards are placed).
-
-    [B, T] rewards are read at counted positions; [B] rewards go on the last counted token.
-    """
-    check_tensor(fn, "rewards", rewards, ndim=(1, 2))
-    check_float(fn, "rewards", rewards)
-    if rewards.dim() == 2:
-        if rewards.shape != mask.shape:
-            _raise_rewards_shape(fn, rewards, mask)
-        return torch.where(mask, rewards.float(), 0.0)
-    if rewards.shape[0] != mask.shape[0]:
-        _raise_rewards_shape(fn, rewards, mask)
-    count = mask.cumsum(-1)
-    last = mask & (count == count[:, -1:])
-    return torch.where(last, rewards.float().unsqueeze(-1), 0.0)
 
 
 # --- groups ------------------------------------------------------------------------------
@@ -604,9 +592,25 @@ def _compact(x: torch.Tensor, dest: torch.Tensor, width: int) -> torch.Tensor:
     return x.new_zeros(x.shape[0], width + 2).scatter_(1, dest, x)
 
 
+def _check_rewards(fn: str, rewards: torch.Tensor, mask: torch.Tensor) -> None:
+    """``rewards`` is [B, T] (the shape of ``mask``) or [B] float."""
+    check_tensor(fn, "rewards", rewards, ndim=(1, 2))
+    check_float(fn, "rewards", rewards)
+    if (rewards.shape != mask.shape) if rewards.dim() == 2 else (rewards.shape[0] != mask.shape[0]):
+        _raise_rewards_shape(fn, rewards, mask)
+
+
 def _compact_rewards(fn: str, rewards: torch.Tensor, mask: torch.Tensor, dest: torch.Tensor, width: int):
-    """[B, width] compact float32 token rewards: :func:`_token_rewards`, counted tokens moved left."""
-    return _compact(_token_rewards(fn, rewards, mask), dest, width)[:, :width]
+    """[B, width] compact float32 token rewards (the one place rewards are checked and placed):
+    [B, T] rewards read at counted positions, [B] rewards on the last counted token of each
+    row (a row with no counted token drops it). :func:`_expand` gives the [B, T] form."""
+    _check_rewards(fn, rewards, mask)
+    if rewards.dim() == 2:
+        return _compact(rewards.float(), dest, width)[:, :width]
+    n = mask.sum(-1, keepdim=True)
+    last = (n - 1).masked_fill_(n == 0, width + 1)
+    out = rewards.new_zeros(rewards.shape[0], width + 2, dtype=torch.float32)
+    return out.scatter_(1, last, rewards.float().unsqueeze(-1))[:, :width]
 
 
 def _expand(y: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
@@ -615,6 +619,12 @@ def _expand(y: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
 
 
 def _returns(fn: str, rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    if gamma == 1.0:  # no discount: masked tokens add 0 and skip nothing, a reverse cumsum is exact
+        _check_rewards(fn, rewards, mask)
+        if rewards.dim() == 1:  # the reward sits on the last counted token: every counted one sees it
+            return torch.where(mask, rewards.float().unsqueeze(-1), 0.0)
+        token = torch.where(mask, rewards.float(), 0.0)
+        return torch.where(mask, token.flip(-1).cumsum(-1).flip(-1), 0.0)
     dest, width, K = _compaction(mask)
     compact = _compact_rewards(fn, rewards, mask, dest, width)
     return _expand(_reverse_discounted_cumsum(compact, gamma, K), dest)
@@ -827,7 +837,8 @@ def kl_penalized_rewards(
     check_tensor(fn, "log_probs", log_probs)
     check_same_shape(fn, "log_probs", log_probs, "mask", mask)
     check_non_negative(fn, "kl_coef", kl_coef)
-    token_rewards = _token_rewards(fn, rewards.detach(), mask)
+    dest, width, _ = _compaction(mask)
+    token_rewards = _expand(_compact_rewards(fn, rewards.detach(), mask, dest, width), dest)
     kl = approx_kl(log_probs.detach(), ref_log_probs.detach(), estimator=estimator)
     return (token_rewards - kl_coef * kl).masked_fill_(~mask, 0.0)
 
