@@ -83,7 +83,13 @@ def launch(nproc: int, out_file: Path, strategy: str, timeout: float = 240) -> N
 
 
 def main() -> None:
-    from torchforge.distributed import init_distributed, rank, shard, teardown_distributed, world_size
+    from torchforge.distributed import (
+        init_distributed,
+        rank,
+        shard,
+        teardown_distributed,
+        world_size,
+    )
     from torchforge.trainer.demo import char_tokenizer, tiny_llama
 
     torch.set_num_threads(1)

@@ -99,7 +99,7 @@ def test_trained_tokens_are_the_sampled_ones(tokenizer, model, played):
     """Replay every turn with a single-turn rollout of its context: the same tokens come out."""
     from torchforge.loop.environments import _turn_seed
 
-    _, batch, episodes = played
+    _, batch, _ = played
     for b in range(6):
         prompt = batch.prompt_tokens[b][batch.prompt_mask[b]].tolist()
         for k, (start, end) in enumerate(segments(batch.mask[b].tolist())):
@@ -132,7 +132,7 @@ def test_gae_runs_over_the_model_tokens_only(played):
 
 def test_episodes_do_not_depend_on_the_batch_around_them(tokenizer, model, played):
     _, batch, episodes = played
-    alone, alone_episodes = play(model, tokenizer, [Scripted() for _ in range(3)], ROWS[1:], episode_ids=[1])
+    alone, _ = play(model, tokenizer, [Scripted() for _ in range(3)], ROWS[1:], episode_ids=[1])
     n = int(episodes.lengths[4])
     assert alone.tokens[1, :n].tolist() == batch.tokens[4, :n].tolist()
     torch.testing.assert_close(alone.rollout_log_probs[1, :n], batch.rollout_log_probs[4, :n], atol=1e-5, rtol=0)
@@ -259,7 +259,7 @@ def test_async_step_is_accepted(tokenizer, model, played):
             return super().step(action)
 
     _, batch, _ = played
-    again, episodes = play(model, tokenizer, [AsyncScripted() for _ in range(6)], ROWS)
+    again, _ = play(model, tokenizer, [AsyncScripted() for _ in range(6)], ROWS)
     assert torch.equal(again.tokens, batch.tokens) and torch.equal(again.rewards, batch.rewards)
 
 
@@ -310,7 +310,7 @@ def test_chat_observations_go_through_the_template(chat):
     batch, episodes = rollout_episodes(
         model, tokenizer, [Calculator() for _ in range(4)], rows=[{"question": "2 plus 3"}], num_generations=4,
         max_turns=3, max_new_tokens_per_turn=3, max_total_tokens=64, stop_token_ids=[end], seed=0)
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
     prompt = ('<|im_start|>system\ntools: [{"name": "add", "parameters": {"a": "int", "b": "int"}}]<|im_end|>\n'
               "<|im_start|>user\n2 plus 3<|im_end|>\n<|im_start|>assistant\n")
     assert batch.prompt_tokens[0][batch.prompt_mask[0]].tolist() == encode(prompt)

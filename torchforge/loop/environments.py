@@ -290,8 +290,7 @@ class _Episode:
         glue = marked[marked.rfind(_SENTINEL) + len(_SENTINEL):] if _SENTINEL in marked else ""
         if action and action[-1] in stop_ids:
             stop_text = tokenizer.decode(action[-1:], skip_special_tokens=False)
-            if glue.startswith(stop_text):
-                glue = glue[len(stop_text):]
+            glue = glue.removeprefix(stop_text)
         self.messages = history + list(observation)
         return glue + after[len(before):]
 
