@@ -11,6 +11,7 @@ from torchforge.distributed.parallelize import MIXED_PRECISIONS, STRATEGIES
 from torchforge.errors import InvalidArgumentError
 from torchforge.kl import KL_ESTIMATORS
 from torchforge.reduce import AGGREGATION_MODES
+from torchforge.trainer.lora import check_lora_settings
 
 __all__ = ["RLConfig", "ALGORITHMS", "LR_SCHEDULERS", "REINFORCE_BASELINES"]
 
@@ -64,6 +65,11 @@ class RLConfig:
         stop_token_ids: extra ids that end a completion (eos is always one).
         reward_weights: one weight per reward function (default: each one's ``weight``).
         progress_bar: show a progress bar.
+        eval_steps: score ``RLTrainer(eval_dataset=...)`` every N steps; None: never.
+        num_eval_generations: k, sampled completions per eval prompt (pass@1 and pass@k).
+        eval_correct_threshold: an eval completion is correct when its reward is >= this.
+        lora: LoRA settings (``rank``, ``alpha``, ``dropout``, ``target_modules``, ``merge``;
+            :mod:`torchforge.trainer.lora`, needs ``torchforge[lora]``); None: full fine-tuning.
         max_turns: model turns per episode with ``RLTrainer(environment_factory=...)``
             (``max_completion_length`` is then the limit of one turn).
         max_total_tokens: tokens of an episode after its prompt (model and environment
@@ -123,6 +129,10 @@ class RLConfig:
     stop_token_ids: list[int] | None = None
     reward_weights: list[float] | None = None
     progress_bar: bool = True
+    eval_steps: int | None = None
+    num_eval_generations: int = 4
+    eval_correct_threshold: float = 1.0
+    lora: dict[str, Any] | None = None
     max_turns: int = 1
     max_total_tokens: int | None = None
     step_timeout: float | None = 60.0
@@ -161,6 +171,10 @@ class RLConfig:
         choice("kl_estimator", KL_ESTIMATORS)
         choice("reinforce_baseline", REINFORCE_BASELINES)
         choice("lr_scheduler", LR_SCHEDULERS)
+        positive_int("eval_steps", optional=True)
+        positive_int("num_eval_generations")
+        in_range("eval_correct_threshold", float("-inf"), float("inf"))
+        self.lora = check_lora_settings(self.lora)
         for name in ("num_generations", "max_completion_length", "prompts_per_step", "num_iterations",
                      "logging_steps", "max_turns"):
             positive_int(name)

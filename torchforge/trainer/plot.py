@@ -16,6 +16,8 @@ PANELS = (
     ("entropy", "entropy (nats / token)"),
     ("completions/mean_length", "completion length (tokens)"),
     ("rollout/log_prob_gap", "sampler vs trainer: mean |log p gap|"),
+    ("eval/reward", "eval reward (mean)"),
+    ("eval/pass@1", "eval pass@1"),
 )
 
 

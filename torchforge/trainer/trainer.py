@@ -59,6 +59,7 @@ from torchforge.reduce import Aggregation, masked_mean
 from torchforge.trainer import episodes
 from torchforge.trainer.algorithms import Algorithm, algorithm_from_name
 from torchforge.trainer.config import RLConfig
+from torchforge.trainer.lora import adapters_disabled, apply_lora, export_merged, shard_lora
 from torchforge.trainer.run_dir import RunInterrupted, StopOnInterrupt
 from torchforge.trainer.tracking import MetricsLogger
 
@@ -135,6 +136,11 @@ class RLTrainer:
         distributed_config: a :class:`DistributedConfig`; its strategy and precision
             override the config's. Processes are started by ``torchrun`` (or
             ``torchforge train --nproc N``); one process trains alone.
+        eval_dataset: rows like ``train_dataset``'s, scored every ``config.eval_steps`` steps
+            (``eval/reward``, ``eval/pass@1``, ``eval/pass@k``: :func:`torchforge.loop.evaluate`).
+        peft_config: a ``peft.LoraConfig``: train LoRA adapters only, the reference policy being
+            the same model with its adapters off (:mod:`torchforge.trainer.lora`); default from
+            ``config.lora``.
         environment_factory: a class or function making one multi-turn environment per
             episode (``reset(row)``, ``step(action)``: :class:`torchforge.loop.environments.Environment`);
             each row plays ``num_generations`` episodes of up to ``config.max_turns`` turns,
@@ -160,9 +166,13 @@ class RLTrainer:
         train_dataset: Any = None,
         algorithm: Algorithm | None = None,
         distributed_config: DistributedConfig | None = None,
+        eval_dataset: Any = None,
+        peft_config: Any = None,
         environment_factory: Callable[[], Any] | None = None,
     ) -> None:
         self.config = _checked_config(config)
+        self.eval_dataset = eval_dataset
+        self.peft_config = peft_config if peft_config is not None else self.config.lora
         self.environment_factory = environment_factory
         init_distributed()
         self.device = _device()
@@ -250,14 +260,18 @@ class RLTrainer:
         """The policy (sharded), the frozen reference copy when needed, the algorithm's modules."""
         model = model.to(self.device)
         self.algorithm.setup(self.config, model)
+        if self.peft_config is not None:  # LoRA: only the adapters train
+            model = apply_lora(model, self.peft_config, seed=self.config.seed)
         self.ref_model = None
-        if _flag(self.algorithm, "needs_reference"):
+        if _flag(self.algorithm, "needs_reference") and self.peft_config is None:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         if self.config.gradient_checkpointing:
             _enable_gradient_checkpointing(model)
-        self.model = shard(model, **self._shard_kwargs)
+        self.model = (shard_lora if self.peft_config is not None else shard)(model, **self._shard_kwargs)
         if self.ref_model is not None and self.strategy == "fsdp":
             self.ref_model = shard(self.ref_model, **self._shard_kwargs)
+        if _flag(self.algorithm, "needs_reference") and self.peft_config is not None:
+            self.ref_model = self.model  # run under adapters_disabled: one copy of the base weights
         modules = {"policy": self.model}
         for name, module in self.algorithm.modules().items():
             module = shard(module.to(self.device), **self._shard_kwargs)
@@ -383,7 +397,8 @@ class RLTrainer:
     def _reference_log_probs(self, batch: Batch) -> None:
         """``ref_log_probs`` (with a reference policy), and ``old_log_probs`` when ``prepare`` needs them."""
         if self.ref_model is not None:
-            batch.ref_log_probs = self._log_probs_no_grad(self.ref_model, batch)
+            with adapters_disabled(self.ref_model):  # LoRA: the policy without its adapters
+                batch.ref_log_probs = self._log_probs_no_grad(self.ref_model, batch)
         if _flag(self.algorithm, "needs_old_log_probs_in_prepare"):
             batch.old_log_probs = self._log_probs_no_grad(self.model, batch)
 
@@ -509,6 +524,23 @@ class RLTrainer:
                         extra={"step": step})
         return path
 
+    def evaluate(self) -> dict[str, float]:
+        """Score ``eval_dataset`` with the reward functions (every process calls this).
+
+        Args:
+            None.
+
+        Returns:
+            The ``eval/...`` metrics of :func:`torchforge.loop.evaluate`.
+        """
+        from torchforge.trainer.eval_command import evaluate_dataset
+
+        if self.eval_dataset is None:
+            raise InvalidArgumentError("RLTrainer.evaluate: no eval_dataset was given")
+        with self._autocast_context():
+            return evaluate_dataset(self.model, self.tokenizer, self.eval_dataset, self.reward_functions,
+                                    self.config, render=self._render, stop_token_ids=self.stop_ids)
+
     def resume(self) -> int:
         """Load the newest checkpoint in ``output_dir``; returns the steps it had done (0 if none).
 
@@ -557,8 +589,11 @@ class RLTrainer:
             for step in range(start, self.total_steps):
                 metrics = self.train_step(step)
                 self.step = step + 1
+                evaluating = self.eval_dataset is not None and bool(cfg.eval_steps) and self.step % cfg.eval_steps == 0
+                if evaluating:
+                    metrics.update(self.evaluate())
                 self.history.append({"step": self.step, **metrics})
-                if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
+                if evaluating or self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
                     logger.log(self.step, metrics)
                 logger.advance()
                 if cfg.save_steps and self.step % cfg.save_steps == 0:
@@ -572,6 +607,8 @@ class RLTrainer:
             last_saved = self.save(self.step)
         final = self.output_dir / "final"
         export_pretrained(self.model, self.tokenizer, final)
+        if (cfg.lora or {}).get("merge") and self.peft_config is not None:
+            export_merged(self.model, self.tokenizer, self.output_dir / "final-merged")
         summary: dict[str, Any] = {"steps": self.step, "metrics": self.output_dir / "metrics.jsonl",
                                    "checkpoint": last_saved, "final_model": final, "plot": None}
         rewards = [h["reward"] for h in self.history if not math.isnan(h["reward"])]
