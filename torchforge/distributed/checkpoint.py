@@ -256,7 +256,9 @@ class _SafeReader(dcp.FileSystemReader):
     """DCP's reader, with ``.metadata`` read by :func:`_read_metadata` (DCP uses plain pickle)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
-        metadata = _read_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
+        rank_ = kwargs.get("rank")
+        name = ".metadata" if rank_ is None else f"__{rank_}.metadata"  # DCP's names (filesystem.py)
+        metadata = _read_metadata(Path(self.path) / name)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
