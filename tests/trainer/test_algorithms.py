@@ -175,3 +175,127 @@ def test_whitening_and_batch_scale_use_every_process(tmp_path, settings):
         assert a["grad_norm"] > 0
         for key in ("loss", "reward", "kl", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+# --- the settings of the policy loss (RLConfig.policy_loss, kl_gradient) ---------------------
+
+def _off_policy_batch(seed=0, B=8, T=6):
+    from torchforge.batch import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g) * 2 - 0.1
+    log_probs = (old + 0.3 * torch.randn(B, T, generator=g)).requires_grad_()
+    mask = torch.rand(B, T, generator=g) < 0.8
+    mask[:, 0] = True
+    return Batch(log_probs=log_probs, old_log_probs=old, ref_log_probs=old + 0.2 * torch.randn(B, T, generator=g),
+                 advantages=torch.randn(B, generator=g), mask=mask, batch_size=[B])
+
+
+def _loss_and_grad(algorithm, batch, method="compute_loss"):
+    from torchforge.reduce import Aggregation
+
+    torch.manual_seed(0)  # clip_cov draws its selection
+    with algorithm.bind(batch, Aggregation("token-mean")):
+        loss, metrics = getattr(algorithm, method)(batch)
+    return loss, metrics, torch.autograd.grad(loss, batch.log_probs)[0]
+
+
+def _expected_policy_loss(name, b, c):
+    from torchforge import losses
+
+    args = (b.log_probs, b.old_log_probs, b.advantages, b.mask)
+    clip = dict(clip_low=c.clip_low, clip_high=c.clip_high)
+    torch.manual_seed(0)
+    return {
+        "ppo": lambda: losses.ppo_loss(*args, **clip),
+        "gspo": lambda: losses.ppo_loss(*args, **clip, ratio_level="sequence"),
+        "cispo": lambda: losses.cispo_loss(*args, **clip),
+        "sapo": lambda: losses.sapo_loss(*args, tau_pos=c.sapo_tau_pos, tau_neg=c.sapo_tau_neg),
+        "gmpo": lambda: losses.gmpo_loss(*args, **clip, aggregation="token-mean"),
+        "clip_cov": lambda: losses.clip_cov_loss(*args, **clip, select_frac=c.cov_select_frac, cov_low=c.cov_low,
+                                                 cov_high=c.cov_high),
+        "kl_cov": lambda: losses.kl_cov_loss(*args, select_frac=c.cov_select_frac, kl_coef=c.kl_cov_coef),
+        "reinforce": lambda: losses.reinforce_loss(b.log_probs, b.advantages, b.mask),
+    }[name]()
+
+
+def test_policy_loss_selects_the_loss_with_the_config_hyperparameters():
+    # Algorithm.compute_loss -> policy_gradient_loss calls the loss named by policy_loss with
+    # the config's hyperparameters; each setting gives a different loss value and gradient.
+    from torchforge.trainer.config import POLICY_LOSSES, RLConfig
+
+    values, grads = {}, {}
+    for name in POLICY_LOSSES:
+        algorithm = Algorithm()
+        algorithm.config = RLConfig(policy_loss=name, clip_low=0.1, clip_high=0.15, sapo_tau_pos=0.9,
+                                    cov_select_frac=0.2, kl_cov_coef=2.0, kl_coef=0.0)
+        batch = _off_policy_batch()
+        loss, metrics, grad = _loss_and_grad(algorithm, batch)
+        expected, expected_metrics = _expected_policy_loss(name, batch, algorithm.config)
+        assert torch.equal(loss, expected), name
+        assert metrics.keys() == expected_metrics.keys(), name
+        values[name], grads[name] = loss.item(), grad
+    for i, a in enumerate(POLICY_LOSSES):
+        for b in POLICY_LOSSES[i + 1:]:
+            # clip_cov's value is ppo's (it detaches selected tokens): the gradient tells them apart
+            assert values[a] != values[b] or not torch.allclose(grads[a], grads[b]), (a, b)
+    assert values["clip_cov"] == values["ppo"] and not torch.allclose(grads["clip_cov"], grads["ppo"])
+
+
+def test_grpo_with_another_policy_loss_adds_the_kl_penalty():
+    # loss = cispo_loss + kl_coef * token-mean(k3); the kl metric is the masked mean of k3
+    from torchforge.kl import approx_kl
+    from torchforge.losses import cispo_loss
+    from torchforge.reduce import aggregate, masked_mean
+    from torchforge.trainer.config import RLConfig
+
+    grpo = GRPO()
+    grpo.config = RLConfig(policy_loss="cispo", kl_coef=0.3, clip_low=0.1, clip_high=0.15)
+    batch = _off_policy_batch()
+    loss, metrics, _ = _loss_and_grad(grpo, batch)
+    pg_loss, _ = cispo_loss(batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask,
+                            clip_low=0.1, clip_high=0.15)
+    kl = approx_kl(batch.log_probs, batch.ref_log_probs, estimator="k3")
+    torch.testing.assert_close(loss, pg_loss + 0.3 * aggregate(kl, batch.mask), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(metrics["kl"], masked_mean(kl.detach(), batch.mask))
+    assert set(cispo_loss(batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask, clip_low=0.1,
+                          clip_high=0.15)[1]) | {"kl"} == set(metrics)  # cispo's metrics are kept
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo", "reinforce"])
+def test_kl_gradient_changes_the_gradient_not_the_value(policy_loss):
+    # GRPO (grpo_loss for "ppo", kl_penalty otherwise) passes kl_gradient to the estimator:
+    # the same loss value, another gradient
+    from torchforge.trainer.config import RLConfig
+
+    out = {}
+    for form in ("estimator", "straight-through"):
+        grpo = GRPO()
+        grpo.config = RLConfig(policy_loss=policy_loss, kl_coef=0.5, kl_gradient=form)
+        out[form] = _loss_and_grad(grpo, _off_policy_batch())
+    (v1, _, g1), (v2, _, g2) = out["estimator"], out["straight-through"]
+    torch.testing.assert_close(v1, v2, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(g1, g2)
+
+
+def test_ppo_and_grpo_use_policy_loss_in_training(tmp_path):
+    seen = []
+
+    class Spy(GRPO):
+        def policy_gradient_loss(self, log_probs, advantages):
+            seen.append(self.config.policy_loss)
+            return super().policy_gradient_loss(log_probs, advantages)
+
+    trainer = RLTrainer(algorithm=Spy(), config=small_config(tmp_path, max_steps=1, policy_loss="gspo", kl_coef=0.0))
+    assert math.isfinite(trainer.train_step(0)["loss"]) and seen == []  # gspo: GRPO's own grpo_loss
+    trainer = RLTrainer(algorithm=Spy(), config=small_config(tmp_path, max_steps=1, policy_loss="sapo", kl_coef=0.0))
+    assert math.isfinite(trainer.train_step(0)["loss"]) and seen == ["sapo"]  # one micro-batch
+
+    class PPOSpy(PPO):
+        def policy_gradient_loss(self, log_probs, advantages):
+            seen.append(("ppo", self.config.policy_loss))
+            return super().policy_gradient_loss(log_probs, advantages)
+
+    trainer = RLTrainer(algorithm=PPOSpy(), config=small_config(tmp_path, algorithm="ppo", max_steps=1,
+                                                                policy_loss="cispo"))
+    assert math.isfinite(trainer.train_step(0)["loss"]) and seen[-1] == ("ppo", "cispo")

@@ -20,6 +20,13 @@ from torchforge.errors import InvalidArgumentError
     (dict(max_steps=0), r"max_steps=0; expected an int >= 1 or None"),
     (dict(mixed_precision="fp16"), r"mixed_precision='fp16'; expected one of \[None, 'no', 'fp32', 'bf16'\]"),
     (dict(distributed_strategy="zero3"), r"distributed_strategy='zero3'; expected one of \['fsdp', 'ddp', 'none'\]"),
+    (dict(policy_loss="dpo"), r"policy_loss='dpo'; expected one of \['ppo', 'gspo', 'cispo', 'sapo', 'gmpo', 'clip_cov', 'kl_cov', 'reinforce'\]"),
+    (dict(kl_gradient="exact"), r"kl_gradient='exact'; expected one of \['estimator', 'straight-through', 'bias-corrected'\]"),
+    (dict(entropy_coef=-0.1), r"entropy_coef=-0.1; expected a number in \[0, inf\]"),
+    (dict(mask_truncated_completions=1), r"mask_truncated_completions=1; expected True or False"),
+    (dict(sapo_tau_neg=0), r"sapo_tau_neg=0; expected a number in \(0, inf\]"),
+    (dict(cov_select_frac=0.0), r"cov_select_frac=0.0; expected a number in \(0, 1\]"),
+    (dict(cov_low=5.0, cov_high=1.0), r"cov_low=5.0 and cov_high=1.0; expected cov_low < cov_high"),
 ])
 def test_invalid_configs_are_rejected_up_front(values, message):
     with pytest.raises(InvalidArgumentError, match=message):

@@ -92,6 +92,48 @@ def test_extreme_metrics_are_the_max_and_min_over_micro_batches(tmp_path):
     assert metrics["ratio_mean"] == pytest.approx(mean, rel=1e-6)
 
 
+def test_entropy_coef_subtracts_the_aggregated_entropy(tmp_path):
+    # token-mean over the whole step: the bonus is exactly entropy_coef * the logged (token-mean)
+    # entropy, and it changes the gradient
+    runs = {}
+    for coef in (0.0, 0.5):
+        trainer = RLTrainer(config=small_config(tmp_path / str(coef), max_steps=1, entropy_coef=coef, kl_coef=0.0))
+        runs[coef] = trainer.train_step(0)
+    assert runs[0.5]["entropy"] == runs[0.0]["entropy"] > 0
+    assert runs[0.5]["loss"] == pytest.approx(runs[0.0]["loss"] - 0.5 * runs[0.0]["entropy"], rel=1e-5, abs=1e-6)
+    assert runs[0.5]["grad_norm"] != pytest.approx(runs[0.0]["grad_norm"], rel=1e-3)
+
+
+def test_mask_truncated_completions_count_for_nothing(tmp_path):
+    # a truncated completion leaves the mask and its reward is NaN for the group statistics
+    # (advantage 0, the group's mean and std from the others); the logs keep the sampled batch
+    from torchforge.advantages import group_advantages
+    from torchforge.trainer.algorithms import GRPO
+
+    seen = {}
+
+    class Spy(GRPO):
+        def prepare(self, batch):
+            super().prepare(batch)
+            seen[self.config.mask_truncated_completions] = batch.clone()
+
+    metrics = {}
+    for flag in (False, True):
+        config = small_config(tmp_path / str(flag), max_steps=1, kl_coef=0.0, mask_truncated_completions=flag)
+        metrics[flag] = RLTrainer(algorithm=Spy(), config=config).train_step(0)
+    sampled, counted = seen[False], seen[True]
+    truncated = counted.truncated
+    assert 0 < int(truncated.sum()) < len(truncated)
+    assert torch.equal(counted.mask, sampled.mask & ~truncated[:, None])
+    assert counted.rewards[truncated].isnan().all()
+    assert torch.equal(counted.rewards[~truncated], sampled.rewards[~truncated])
+    assert (counted.advantages[truncated] == 0).all()
+    torch.testing.assert_close(counted.advantages, group_advantages(counted.rewards, group_size=4))
+    assert not torch.equal(counted.advantages, sampled.advantages)
+    for key in ("reward", "completions/mean_length", "completions/clipped_ratio"):  # the logs: as sampled
+        assert metrics[True][key] == metrics[False][key], key
+
+
 def test_micro_batch_size_does_not_change_the_update(tmp_path, monkeypatch):
     import torchforge.trainer.trainer as trainer_module
 

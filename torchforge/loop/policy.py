@@ -267,7 +267,8 @@ def policy_log_probs(
         batch: a Batch with ``prompt_tokens``, ``prompt_mask``, ``tokens`` [B, T].
         temperature: the sampling temperature (the training distribution must be the
             sampling one).
-        return_entropy: also return the per-token entropy (detached).
+        return_entropy: also return the per-token entropy (with grad when grad is enabled,
+            as the log-probs: an entropy bonus backpropagates through it).
         chunk_size: rows per chunk of the fused kernel; default automatic.
 
     Returns:
@@ -335,7 +336,7 @@ def policy_log_probs(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             logits_to_keep=1, use_cache=False,
         )
-    return log_probs, (entropy.detach() if entropy is not None else None)
+    return log_probs, entropy
 
 
 # --- the canary: the sampler's log-probs against the trainer's ---------------------------

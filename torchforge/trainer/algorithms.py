@@ -55,13 +55,25 @@ from torchforge.distributed import sum_over_ranks
 from torchforge.errors import TorchforgeError
 from torchforge.kl import approx_kl
 from torchforge.loop import ValueModel, micro_batches
-from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss, value_loss
+from torchforge.losses import (
+    cispo_loss,
+    clip_cov_loss,
+    gmpo_loss,
+    grpo_loss,
+    kl_cov_loss,
+    ppo_loss,
+    reinforce_loss,
+    sapo_loss,
+    value_loss,
+)
 from torchforge.reduce import Aggregation, masked_mean, masked_whiten
 from torchforge.trainer.config import RLConfig
 
 __all__ = ["Algorithm", "GRPO", "PPO", "REINFORCE", "algorithm_from_name"]
 
 Metrics = dict[str, torch.Tensor]
+
+_RATIO_LEVEL = {"ppo": "token", "gspo": "sequence"}
 
 
 def _kl_metric(batch: Batch) -> Metrics:
@@ -246,11 +258,14 @@ class Algorithm:
                                 sum_over_ranks=sum_over_ranks)
 
     def policy_gradient_loss(self, log_probs: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
-        """The clipped policy-gradient loss of the current micro-batch, aggregated exactly.
+        """The policy-gradient loss of the current micro-batch named by ``config.policy_loss``.
 
-        ``ppo_loss(log_probs, batch.old_log_probs, advantages, mask)`` with the config's
-        clip range and the step's aggregation; on-policy its gradient is the REINFORCE
-        gradient ``-A grad log pi``.
+        ``policy_loss="ppo"`` (default): ``ppo_loss(log_probs, batch.old_log_probs,
+        advantages, mask)`` with the config's clip range, whose on-policy gradient is the
+        REINFORCE gradient ``-A grad log pi``; ``"gspo"``: the same with sequence ratios
+        (``ratio_level="sequence"``); ``"cispo"``, ``"sapo"``, ``"gmpo"``, ``"clip_cov"``,
+        ``"kl_cov"``: ``<name>_loss`` with the config's hyperparameters; ``"reinforce"``:
+        ``reinforce_loss`` (no ratio). Always aggregated with the step's aggregation.
 
         Args:
             log_probs: [B, T] log-probs (carrying grad).
@@ -258,13 +273,49 @@ class Algorithm:
 
         Returns:
             ``(loss, metrics)``: the scalar loss and its metrics (``clip_frac_low``,
-            ``ratio_max``, ...), as ``ppo_loss`` returns them.
+            ``ratio_max``, ...), as the loss returns them.
+        """
+        cfg, old, mask, agg = self.config, self.batch.old_log_probs, self.mask, self.aggregation
+        name = cfg.policy_loss
+        if name in ("ppo", "gspo"):
+            return ppo_loss(log_probs, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                            dual_clip=cfg.dual_clip, ratio_level=_RATIO_LEVEL[name], aggregation=agg)
+        if name == "cispo":
+            return cispo_loss(log_probs, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                              aggregation=agg)
+        if name == "sapo":
+            return sapo_loss(log_probs, old, advantages, mask, tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg,
+                             aggregation=agg)
+        if name == "gmpo":
+            return gmpo_loss(log_probs, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                             aggregation=agg)
+        if name == "clip_cov":
+            return clip_cov_loss(log_probs, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                 select_frac=cfg.cov_select_frac, cov_low=cfg.cov_low, cov_high=cfg.cov_high,
+                                 aggregation=agg)
+        if name == "kl_cov":
+            return kl_cov_loss(log_probs, old, advantages, mask, select_frac=cfg.cov_select_frac,
+                               kl_coef=cfg.kl_cov_coef, aggregation=agg)
+        return reinforce_loss(log_probs, advantages, mask, aggregation=agg)
+
+    def kl_penalty(self, batch: Batch) -> tuple[torch.Tensor, Metrics]:
+        """The KL(pi || ref) term of the loss, ``kl_coef * aggregation(kl)``, and its ``kl`` metric.
+
+        ``kl = approx_kl(log_probs, ref_log_probs, old_log_probs=..., estimator=kl_estimator,
+        gradient=kl_gradient)`` per token; 0 (and no metric) when ``kl_coef == 0``.
+
+        Args:
+            batch: the micro-batch (``log_probs``, ``ref_log_probs``, ``old_log_probs``, ``mask``).
+
+        Returns:
+            ``(loss, metrics)``: the scalar term and ``{"kl": masked mean of kl}``.
         """
         cfg = self.config
-        return ppo_loss(
-            log_probs, self.batch.old_log_probs, advantages, self.mask, clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, aggregation=self.aggregation,
-        )
+        if cfg.kl_coef == 0 or batch.ref_log_probs is None:
+            return torch.zeros((), device=batch.log_probs.device), {}
+        kl = approx_kl(batch.log_probs, batch.ref_log_probs, old_log_probs=batch.old_log_probs,
+                       estimator=cfg.kl_estimator, gradient=cfg.kl_gradient)
+        return cfg.kl_coef * self.aggregation(kl, batch.mask), {"kl": masked_mean(kl.detach(), batch.mask)}
 
     def compute_loss(self, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         """The loss of one micro-batch: here, the policy-gradient loss of group advantages.
@@ -284,7 +335,8 @@ class GRPO(Algorithm):
 
     ``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)`` per sequence, then
     ``grpo_loss`` (the clipped surrogate plus ``kl_coef * k3``), aggregated with
-    ``config.loss_aggregation``. ``advantage_scale="none"`` with
+    ``config.loss_aggregation``; with another ``config.policy_loss``, that loss plus
+    :meth:`Algorithm.kl_penalty`. ``advantage_scale="none"`` with
     ``loss_aggregation="seq-mean-token-sum-norm"`` is Dr. GRPO; ``clip_high=0.28`` with
     ``token-mean`` is DAPO's loss.
 
@@ -311,12 +363,17 @@ class GRPO(Algorithm):
 
     def compute_loss(self, batch: Batch):
         cfg = self.config
-        return grpo_loss(
-            batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask,
-            batch.ref_log_probs if cfg.kl_coef > 0 else None,
-            kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, aggregation=self.aggregation,
-        )
+        if cfg.policy_loss in ("ppo", "gspo"):  # GRPO's equation: one aggregate of surrogate + kl_coef * KL
+            return grpo_loss(
+                batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask,
+                batch.ref_log_probs if cfg.kl_coef > 0 else None,
+                kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, kl_gradient=cfg.kl_gradient,
+                clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+                ratio_level=_RATIO_LEVEL[cfg.policy_loss], aggregation=self.aggregation,
+            )
+        pg_loss, metrics = self.policy_gradient_loss(batch.log_probs, batch.advantages)
+        kl_loss, kl_metrics = self.kl_penalty(batch)
+        return pg_loss + kl_loss, {**metrics, **kl_metrics}
 
 
 class PPO(Algorithm):
@@ -325,7 +382,8 @@ class PPO(Algorithm):
     Token rewards ``r_t = score * [t = last] - kl_coef * (old_log_probs - ref_log_probs)_t``,
     values ``V_t`` from a critic (the policy's decoder, copied, with a scalar head),
     ``(A, R) = gae(r, V, mask, gamma, lam)``, ``A`` whitened over the batch (all ranks), then
-    ``loss = ppo_loss(A) + value_coef * value_loss(V, V_old, R, clip=value_clip)``.
+    ``loss = ppo_loss(A) + value_coef * value_loss(V, V_old, R, clip=value_clip)`` (the
+    policy term from :meth:`Algorithm.policy_gradient_loss`: ``config.policy_loss``).
 
     Args:
         None.
@@ -374,10 +432,7 @@ class PPO(Algorithm):
 
     def compute_loss(self, batch: Batch):
         cfg = self.config
-        pg_loss, metrics = ppo_loss(
-            batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask, clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, aggregation=self.aggregation,
-        )
+        pg_loss, metrics = self.policy_gradient_loss(batch.log_probs, batch.advantages)
         vf_loss, vf_metrics = value_loss(self.critic(batch), batch.old_values, batch.returns, batch.mask,
                                          clip=cfg.value_clip, aggregation=self.aggregation)
         metrics.update(pg_loss=pg_loss.detach(), value_loss=vf_loss.detach(),
@@ -439,15 +494,11 @@ class REINFORCE(Algorithm):
                                                    sum_over_ranks=sum_over_ranks)  # whitened over all ranks
 
     def compute_loss(self, batch: Batch):
-        cfg = self.config
         loss, metrics = reinforce_loss(batch.log_probs, batch.advantages, batch.mask, aggregation=self.aggregation)
-        if cfg.kl_coef > 0 and not self._kl_in_reward:
-            kl = approx_kl(batch.log_probs, batch.ref_log_probs, estimator=cfg.kl_estimator)
-            loss = loss + cfg.kl_coef * self.aggregation(kl, batch.mask)
-            metrics["kl"] = masked_mean(kl.detach(), batch.mask)
-        else:
-            metrics.update(_kl_metric(batch))
-        return loss, metrics
+        if self._kl_in_reward:
+            return loss, {**metrics, **_kl_metric(batch)}
+        kl_loss, kl_metrics = self.kl_penalty(batch)
+        return loss + kl_loss, {**metrics, **kl_metrics}
 
 
 _BUILT_IN = {"grpo": GRPO, "ppo": PPO, "reinforce": REINFORCE}

@@ -9,15 +9,17 @@ from typing import Any
 from torchforge.advantages import GROUP_SCALES
 from torchforge.distributed.parallelize import MIXED_PRECISIONS, STRATEGIES
 from torchforge.errors import InvalidArgumentError
-from torchforge.kl import KL_ESTIMATORS
+from torchforge.kl import KL_ESTIMATORS, KL_GRADIENTS
 from torchforge.reduce import AGGREGATION_MODES
 from torchforge.trainer.lora import check_lora_settings
 
-__all__ = ["RLConfig", "ALGORITHMS", "LR_SCHEDULERS", "REINFORCE_BASELINES"]
+__all__ = ["RLConfig", "ALGORITHMS", "LR_SCHEDULERS", "REINFORCE_BASELINES", "POLICY_LOSSES"]
 
 ALGORITHMS = ("grpo", "ppo", "reinforce")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 REINFORCE_BASELINES = ("rloo", "reinforce++", "reinforce++-baseline")
+#: the policy losses of ``RLConfig.policy_loss`` (torchforge.losses; "gspo" is ppo_loss with sequence ratios)
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "reinforce")
 
 
 @dataclass
@@ -49,7 +51,26 @@ class RLConfig:
         advantage_scale: GRPO: "group" (std of the group), "batch" or "none" (Dr. GRPO).
         kl_estimator: estimator of the KL term in the loss (GRPO, REINFORCE): "k1", "k2",
             "k3" or "abs". PPO and REINFORCE++ put a k1 penalty in the reward instead.
+        kl_gradient: the gradient form of that KL term (``torchforge.kl.KL_GRADIENTS``):
+            "estimator", "straight-through" or "bias-corrected".
         reinforce_baseline: REINFORCE: "rloo", "reinforce++" or "reinforce++-baseline".
+        policy_loss: the policy-gradient loss of GRPO, PPO and ``Algorithm.policy_gradient_loss``
+            (one of ``POLICY_LOSSES``): "ppo" (``ppo_loss``, the clipped surrogate), "gspo"
+            (``ppo_loss(ratio_level="sequence")``), "cispo", "sapo", "gmpo", "clip_cov",
+            "kl_cov" (``<name>_loss``) or "reinforce" (``reinforce_loss``, no ratio). The
+            clipped ones take ``clip_low`` / ``clip_high``; ``dual_clip`` is ppo / gspo only.
+            REINFORCE keeps ``reinforce_loss``.
+        sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures for positive / negative advantages.
+        cov_select_frac, cov_low, cov_high, kl_cov_coef: Clip-Cov / KL-Cov: the fraction of
+            tokens selected by their covariance (per micro-batch), Clip-Cov's covariance
+            window, KL-Cov's penalty weight.
+        entropy_coef: weight of an entropy bonus on the counted tokens,
+            ``loss - entropy_coef * aggregation(entropy, mask)`` (every algorithm); 0: none.
+        mask_truncated_completions: completions cut by ``max_completion_length`` count for
+            nothing: their tokens leave the mask (the loss and its token counts) and their
+            reward is NaN, "not applicable", so group statistics (advantages, the logged
+            ``reward``, ``frac_reward_zero_std``) are those of the other completions (DAPO;
+            TRL's option of the same name).
         gamma, lam: discount and GAE lambda (PPO; gamma also for REINFORCE++).
         value_coef, value_clip: PPO: weight of the value loss and its clip range.
         max_grad_norm: gradient-norm clip; None disables it.
@@ -111,7 +132,17 @@ class RLConfig:
     loss_aggregation: str = "token-mean"
     advantage_scale: str = "group"
     kl_estimator: str = "k3"
+    kl_gradient: str = "estimator"
     reinforce_baseline: str = "rloo"
+    policy_loss: str = "ppo"
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    cov_select_frac: float = 2e-4
+    cov_low: float = 1.0
+    cov_high: float = 5.0
+    kl_cov_coef: float = 1.0
+    entropy_coef: float = 0.0
+    mask_truncated_completions: bool = False
     gamma: float = 1.0
     lam: float = 0.95
     value_coef: float = 0.5
@@ -169,6 +200,10 @@ class RLConfig:
         choice("loss_aggregation", AGGREGATION_MODES)
         choice("advantage_scale", GROUP_SCALES)
         choice("kl_estimator", KL_ESTIMATORS)
+        choice("kl_gradient", KL_GRADIENTS)
+        choice("policy_loss", POLICY_LOSSES)
+        if not isinstance(self.mask_truncated_completions, bool):
+            raise bad("mask_truncated_completions", "True or False")
         choice("reinforce_baseline", REINFORCE_BASELINES)
         choice("lr_scheduler", LR_SCHEDULERS)
         positive_int("eval_steps", optional=True)
@@ -189,6 +224,17 @@ class RLConfig:
         in_range("gamma", 0, 1)
         in_range("lam", 0, 1)
         in_range("value_coef", 0, float("inf"))
+        in_range("entropy_coef", 0, float("inf"))
+        in_range("sapo_tau_pos", 0, float("inf"), open_low=True)
+        in_range("sapo_tau_neg", 0, float("inf"), open_low=True)
+        in_range("cov_select_frac", 0, 1, open_low=True)
+        in_range("kl_cov_coef", 0, float("inf"))
+        in_range("cov_low", float("-inf"), float("inf"))
+        in_range("cov_high", float("-inf"), float("inf"))
+        if not self.cov_low < self.cov_high:
+            raise InvalidArgumentError(
+                f"{fn}: cov_low={self.cov_low!r} and cov_high={self.cov_high!r}; expected cov_low < cov_high"
+            )
         in_range("value_clip", 0, float("inf"), optional=True)
         in_range("max_grad_norm", 0, float("inf"), optional=True, open_low=True)
         in_range("weight_decay", 0, float("inf"))

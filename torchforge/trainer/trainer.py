@@ -349,9 +349,10 @@ class RLTrainer:
         start = time.perf_counter()
         batch, prompts, rows = self._rollout(step)
         per_function = self._score(batch, prompts, rows)
-        self._reference_log_probs(batch)
-        self.algorithm.prepare(batch)
-        loss, loss_metrics, grad_norm = self._update(batch)
+        counted = self._counted_completions(batch)
+        self._reference_log_probs(counted)
+        self.algorithm.prepare(counted)
+        loss, loss_metrics, grad_norm = self._update(counted)
         return self._metrics(batch, per_function, loss, loss_metrics, grad_norm, time.perf_counter() - start)
 
     def sample(self, step: int) -> tuple[Batch, dict[str, torch.Tensor]]:
@@ -394,6 +395,18 @@ class RLTrainer:
         batch.rewards = rewards.to(self.device)
         return per_function
 
+    def _counted_completions(self, batch: Batch) -> Batch:
+        """The batch the update sees: with ``mask_truncated_completions``, a truncated
+        completion's tokens leave the mask and its reward is NaN ("not applicable": left out
+        of the group statistics, advantage 0). ``batch`` itself is left as sampled (for the logs)."""
+        if not self.config.mask_truncated_completions:
+            return batch
+        counted = batch.clone(recurse=False)
+        truncated = batch.truncated.to(batch.mask.device)
+        counted.mask = batch.mask & ~truncated[:, None]
+        counted.rewards = batch.rewards.masked_fill(truncated.to(batch.rewards.device), float("nan"))
+        return counted
+
     def _reference_log_probs(self, batch: Batch) -> None:
         """``ref_log_probs`` (with a reference policy), and ``old_log_probs`` when ``prepare`` needs them."""
         if self.ref_model is not None:
@@ -429,6 +442,8 @@ class RLTrainer:
             out = self.algorithm.compute_loss(part)
             logged = self.algorithm.pop_metrics()
         loss, metrics = self._checked_loss_output(out)
+        if self.config.entropy_coef > 0:  # the entropy bonus, on the counted tokens, aggregated as the loss
+            loss = loss - self.config.entropy_coef * aggregation(entropy, part.mask)
         return loss, {**metrics, **logged, **logged_gap, "entropy": masked_mean(entropy.detach(), part.mask)}
 
     def _checked_loss_output(self, out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
