@@ -27,7 +27,7 @@ from torchforge.corrections import (
     unscored_tokens,
     zero_std_groups,
 )
-from torchforge.errors import DTypeError, InvalidArgumentError, ShapeError
+from torchforge.errors import DTypeError, InvalidArgumentError, ShapeError, TorchforgeError
 from torchforge.losses import ppo_loss
 
 SETTINGS = settings(max_examples=30, deadline=None)
@@ -311,8 +311,14 @@ def test_batch_and_tensordict_calling():
     td = batch.to_tensordict()
     assert torch.equal(ratio_mask(td, low=0.5, high=2.0), ratio_mask(old, rollout, mask, low=0.5, high=2.0))
     assert zero_std_groups(batch, group_size=2).tolist() == [False] * 4
+    # "lengths" is no batch key: overlong_penalty takes the tensor (e.g. batch.mask.sum(-1))
     td2 = TensorDict(lengths=torch.tensor([1, 30]), batch_size=[2])
-    torch.testing.assert_close(overlong_penalty(td2, max_length=20, buffer_length=5), torch.tensor([0.0, -1.0]))
+    with pytest.raises(TorchforgeError, match="overlong_penalty: lengths must be a torch.Tensor, got TensorDict"):
+        overlong_penalty(td2, max_length=20, buffer_length=5)
+    torch.testing.assert_close(overlong_penalty(td2["lengths"], max_length=20, buffer_length=5), torch.tensor([0.0, -1.0]))
+    # entropy is no batch key either: the entropy filters take tensors
+    with pytest.raises(TorchforgeError, match="high_entropy_mask: entropy must be a torch.Tensor, got"):
+        high_entropy_mask(batch, mask, quantile=0.2)
 
 
 def test_bad_inputs():

@@ -372,7 +372,6 @@ def high_entropy_mask(
     return (mask & (entropy.detach().float() >= threshold)).float()
 
 
-@batch_args
 def overlong_penalty(
     lengths: torch.Tensor,
     *,
