@@ -75,21 +75,25 @@ def _check_log_probs(fn: str, log_probs, mask, **others) -> None:
         check_float(fn, name, x)
 
 
-def _per_token(fn: str, name: str, x, log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``x`` of shape [B] (returned as [B, 1], broadcast over T on purpose) or [B, T]:
-    detached float32, 0 where nothing is counted (a NaN there must not reach a gradient:
-    ``0 * NaN`` is NaN, even behind a ``where``)."""
+def _per_token(fn: str, name: str, x, log_probs: torch.Tensor) -> torch.Tensor:
+    """``x`` of shape [B] (returned as [B, 1], broadcast over T on purpose) or [B, T],
+    detached float32.
+
+    A NaN in ``x`` where nothing is counted reaches neither the loss (``aggregate`` drops
+    those positions) nor the gradient: every loss multiplies ``x`` into a term whose
+    input, the log-ratio or the log-prob, is a ``where`` on the mask, whose backward
+    zeroes those positions."""
     check_tensor(fn, name, x)
     check_float(fn, name, x)
     B, T = log_probs.shape
     if x.dim() == 1 and x.shape[0] == B:
-        return torch.where(mask.any(-1), x.detach().float(), 0.0).unsqueeze(-1)
+        return x.detach().float().unsqueeze(-1)
     if x.shape != log_probs.shape:
         raise ShapeError(
             f"{fn}: {name} has shape {shape_str(x)} but log_probs has shape {shape_str(log_probs)}; "
             f"expected ({B},) or ({B}, {T})"
         )
-    return torch.where(mask, x.detach().float(), 0.0)
+    return x.detach().float()
 
 
 def _check_clip(fn: str, clip_low, clip_high, dual_clip=None) -> float:
@@ -234,12 +238,13 @@ def _frac_by_sign(flags: torch.Tensor, A: torch.Tensor, mask: torch.Tensor, coun
 def _ppo_per_token(fn, log_probs, old_log_probs, advantages, mask, weights, *,
                    clip_low, clip_high, dual_clip, ratio_level, max_log_ratio):
     """The per-token loss of :func:`ppo_loss` (weights applied), its metrics, and the
-    token log-ratio (0 where masked) and ratio for :func:`grpo_loss`'s KL term."""
+    token log-ratio (0 where masked), whose ratio the bias-corrected KL of
+    :func:`grpo_loss` reuses."""
     _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
     clip_high = _check_clip(fn, clip_low, clip_high, dual_clip)
     check_choice(fn, "ratio_level", ratio_level, RATIO_LEVELS)
     check_positive(fn, "max_log_ratio", max_log_ratio)
-    A = _per_token(fn, "advantages", advantages, log_probs, mask)
+    A = _per_token(fn, "advantages", advantages, log_probs)
 
     log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
     weighing_log_ratio = _sequence_log_ratio(log_ratio, mask) if ratio_level == "sequence" else log_ratio
@@ -251,7 +256,7 @@ def _ppo_per_token(fn, log_probs, old_log_probs, advantages, mask, weights, *,
         pg_loss3 = -A * dual_clip
         pg_loss = torch.where(A < 0, torch.minimum(pg_loss, pg_loss3), pg_loss)
     if weights is not None:
-        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs, mask)
+        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs)
 
     with torch.no_grad():
         # A token is clipped when the clip takes its gradient: ratio < 1 - clip_low with
@@ -507,11 +512,11 @@ def reinforce_loss(
     """
     fn = "reinforce_loss"
     _check_log_probs(fn, log_probs, mask)
-    A = _per_token(fn, "advantages", advantages, log_probs, mask)
+    A = _per_token(fn, "advantages", advantages, log_probs)
     lp = torch.where(mask, log_probs.float(), 0.0)
     pg_loss = -A * lp
     if weights is not None:
-        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs, mask)
+        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs)
     with torch.no_grad():
         metrics = {"log_prob_mean": masked_mean(lp, mask)}
     return _aggregate(fn, pg_loss, mask, aggregation), metrics
@@ -572,14 +577,14 @@ def cispo_loss(
     _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
     clip_high = _check_clip(fn, clip_low, clip_high)
     check_positive(fn, "max_log_ratio", max_log_ratio)
-    A = _per_token(fn, "advantages", advantages, log_probs, mask)
+    A = _per_token(fn, "advantages", advantages, log_probs)
 
     log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask).detach()
     ratio = torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
     lp = torch.where(mask, log_probs.float(), 0.0)
     pg_loss = -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * A * lp
     if weights is not None:
-        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs, mask)
+        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs)
 
     with torch.no_grad():
         count = mask.sum().clamp(min=1)
@@ -656,7 +661,7 @@ def sapo_loss(
     check_positive(fn, "tau_pos", tau_pos)
     check_positive(fn, "tau_neg", tau_neg)
     check_positive(fn, "max_log_ratio", max_log_ratio)
-    A = _per_token(fn, "advantages", advantages, log_probs, mask)
+    A = _per_token(fn, "advantages", advantages, log_probs)
 
     log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
     ratio = torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
@@ -664,7 +669,7 @@ def sapo_loss(
     gate = (4 / tau) * torch.sigmoid(tau * (ratio - 1))
     pg_loss = -A * gate
     if weights is not None:
-        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs, mask)
+        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs)
 
     with torch.no_grad():
         count = mask.sum().clamp(min=1)
@@ -739,7 +744,7 @@ def gmpo_loss(
     check_non_negative(fn, "clip_low", clip_low)
     check_non_negative(fn, "clip_high", clip_high)
     check_positive(fn, "max_log_ratio", max_log_ratio)
-    A = _per_token(fn, "advantages", advantages, log_probs, mask).expand(mask.shape)
+    A = _per_token(fn, "advantages", advantages, log_probs).expand(mask.shape)
 
     log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
     clipped = torch.where(
@@ -863,7 +868,7 @@ def clip_cov_loss(
         raise InvalidArgumentError(f"{fn}: cov_low must be < cov_high, got cov_low={cov_low}, cov_high={cov_high}")
     k, k_max = _selection_count(fn, select_frac, mask)
     with torch.no_grad():
-        A = _per_token(fn, "advantages", advantages, log_probs, mask)
+        A = _per_token(fn, "advantages", advantages, log_probs)
         cov = _covariance(A, log_probs, mask)
         clip_high = clip_low if clip_high is None else clip_high
         ratio = torch.exp(_masked_log_ratio(log_probs, old_log_probs, mask).clamp(-max_log_ratio, max_log_ratio))
@@ -935,7 +940,7 @@ def kl_cov_loss(
     check_non_negative(fn, "kl_coef", kl_coef)
     check_positive(fn, "max_log_ratio", max_log_ratio)
     k, k_max = _selection_count(fn, select_frac, mask)
-    A = _per_token(fn, "advantages", advantages, log_probs, mask)
+    A = _per_token(fn, "advantages", advantages, log_probs)
 
     log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
     ratio = torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
