@@ -33,7 +33,16 @@ from collections import defaultdict
 
 import torch
 
-from torchforge.advantages import gae, group_advantages
+from torchforge.advantages import (
+    gae,
+    group_advantages,
+    opo_advantages,
+    passk_advantages,
+    reinforce_pp_advantages,
+    remax_advantages,
+    rloo_advantages,
+)
+from torchforge.corrections import zero_std_groups
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "advantages.md")
 
@@ -158,8 +167,9 @@ def sync():
         torch.cuda.synchronize()
 
 
-def interleaved(fns: dict, repeats: dict, warmup: int = 1) -> dict:
-    """Median seconds of each callable, run A B C A B C ...; ``repeats[name]`` caps a slow one."""
+def interleaved(fns: dict, repeats: dict, warmup: int = 1, stat=statistics.median) -> dict:
+    """Median (or ``stat``) seconds of each callable, run A B C A B C ...; ``repeats[name]``
+    caps a slow one."""
     times = {k: [] for k in fns}
     for k, f in fns.items():
         for _ in range(warmup):
@@ -173,7 +183,7 @@ def interleaved(fns: dict, repeats: dict, warmup: int = 1) -> dict:
                 f()
                 sync()
                 times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: stat(v) for k, v in times.items()}
 
 
 def memory_bytes(fn) -> int:
@@ -299,12 +309,224 @@ def bench_group(args, lines):
     lines.append("")
 
 
+# --- peers: the new estimators as naive loops ------------------------------------------------
+
+def loop_passk(rewards, G, k, eps=1e-6):
+    """The authors' calc_adv, one group at a time (math.comb), as in their verl patch."""
+    out = torch.zeros_like(rewards)
+    for g in range(0, rewards.shape[0], G):
+        val = rewards[g:g + G].tolist()
+        n, c = len(val), sum(1 for v in val if v == 1)
+        rho = 1 - math.comb(n - c, k) / math.comb(n, k)
+        sigma = math.sqrt(rho * (1 - rho))
+        a_pos = (1 - rho) / (sigma + eps)
+        a_neg = (1 - rho - (math.comb(n - c - 1, k - 1) / math.comb(n - 1, k - 1) if n > c else 0.0)) / (sigma + eps)
+        out[g:g + G] = torch.tensor([a_pos if v == 1 else a_neg for v in val])
+    return out
+
+
+def loop_opo(rewards, mask, G):
+    """verl's compute_opo_outcome_advantage: a dict of groups, a length-weighted baseline each."""
+    lengths = mask.sum(-1)
+    groups = defaultdict(list)
+    for i in range(rewards.shape[0]):
+        groups[i // G].append(i)
+    out = torch.zeros_like(rewards)
+    for rows in groups.values():
+        r, n = rewards[rows], lengths[rows].float()
+        out[rows] = r - (n * r).sum() / n.sum()
+    return out
+
+
+def loop_remax(rewards, baselines, mask):
+    """Per-row loop: reward-to-go over the counted tokens minus the greedy reward."""
+    out = torch.zeros(mask.shape)
+    for b in range(mask.shape[0]):
+        counted = mask[b].nonzero().flatten()
+        if counted.numel():
+            out[b, counted] = rewards[b] - baselines[b]
+    return out
+
+
+def verl_remax(token_rewards, baselines, mask):
+    """verl's compute_remax_outcome_advantage (vectorized; no skipped tokens inside rows)."""
+    returns = (token_rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    return returns - baselines.unsqueeze(-1) * mask
+
+
+def trl_gdpo(rewards_per_func, G, weights, eps=1e-4):
+    """TRL's multi_objective_aggregation="normalize_then_sum" (vectorized)."""
+    K = rewards_per_func.shape[1]
+    grouped = rewards_per_func.view(-1, G, K)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = grouped.std(dim=1, keepdim=True)
+    reward_k = ((grouped - mean_k) / (std_k + eps)).view(-1, K)
+    s = (reward_k * weights.unsqueeze(0)).nansum(dim=1)
+    return (s - s.mean()) / (s.std() + eps)
+
+
+def verl_rloo_ids(rewards, index):
+    """verl's compute_rloo_vectorized_outcome_advantage (np.unique + bincount)."""
+    import numpy as np
+
+    inv = torch.from_numpy(np.unique(index, return_inverse=True)[1])
+    c = torch.bincount(inv)[inv].to(rewards.dtype)
+    return ((c * rewards - torch.bincount(inv, weights=rewards)[inv]) / (c - 1).clamp_min(1)) * (c > 1)
+
+
+def bench_new(args, lines):
+    B, G, T, K = 4096, 8, 64, 3
+    g = torch.Generator().manual_seed(5)
+    binary = (torch.rand(B, generator=g) < 0.3).float()
+    rewards = torch.randn(B, generator=g)
+    multi = torch.randint(0, 3, (B, K), generator=g).float()
+    weights = torch.tensor([1.0, 0.5, 2.0])
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    baselines = torch.randn(B, generator=g)
+    token_rewards = torch.where(mask & (torch.arange(T)[None, :] == lengths[:, None] - 1), rewards[:, None], 0.0)
+    index = torch.arange(B // G).repeat_interleave(G).numpy()
+    cases = [
+        ("passk_advantages (k=4)", lambda: passk_advantages(binary, k=4, group_size=G),
+         {"loop (authors' calc_adv per group)": lambda: loop_passk(binary, G, 4)}),
+        ("opo_advantages", lambda: opo_advantages(rewards, mask, group_size=G),
+         {"loop (verl's dict of groups)": lambda: loop_opo(rewards, mask, G)}),
+        ("remax_advantages", lambda: remax_advantages(rewards, baselines, mask),
+         {"loop (per row)": lambda: loop_remax(rewards, baselines, mask),
+          "verl (flip-cumsum)": lambda: verl_remax(token_rewards, baselines, mask)}),
+        ("group_advantages [B, K=3] (GDPO)", lambda: group_advantages(multi, group_size=G, reward_weights=weights, eps=1e-4),
+         {"TRL normalize_then_sum": lambda: trl_gdpo(multi, G, weights)}),
+        ("rloo_advantages (group_ids)", lambda: rloo_advantages(rewards, group_ids=torch.from_numpy(index)),
+         {"verl rloo_vectorized (np.unique + bincount)": lambda: verl_rloo_ids(rewards, index)}),
+    ]
+    torch.testing.assert_close(passk_advantages(binary, k=4, group_size=G), loop_passk(binary, G, 4), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(opo_advantages(rewards, mask, group_size=G), loop_opo(rewards, mask, G), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(remax_advantages(rewards, baselines, mask), verl_remax(token_rewards, baselines, mask))
+    torch.testing.assert_close(group_advantages(multi, group_size=G, reward_weights=weights, eps=1e-4),
+                               trl_gdpo(multi, G, weights), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(rloo_advantages(rewards, group_ids=torch.from_numpy(index)), verl_rloo_ids(rewards, index))
+    lines += [
+        f"### New estimators against their loop (or peer) form (B={B}, G={G}, T={T})",
+        "",
+        "| estimator | torchforge ms | peer | peer ms | peer / ours |",
+        "|---|---|---|---|---|",
+    ]
+    for name, ours, peers in cases:
+        fns = {"ours": ours, **peers}
+        slow = 3 if args.quick else 7
+        reps = {k: (11 if args.quick else 31) if k == "ours" or "vectorized" in k or "TRL" in k or "verl (" in k
+                else slow for k in fns}
+        med = interleaved(fns, reps)
+        for peer in peers:
+            lines.append(f"| `{name}` | {fmt_ms(med['ours'])} | {peer} | {fmt_ms(med[peer])} "
+                         f"| {med[peer] / med['ours']:.1f}x |")
+            print(lines[-1], flush=True)
+    lines.append("")
+
+
+def bench_group_ids(args, lines):
+    B, G = 65536, 8
+    g = torch.Generator().manual_seed(6)
+    rewards = torch.randint(0, 4, (B,), generator=g).float() / 3
+    binary = (rewards > 0.5).float()
+    mask = torch.rand(B, 16, generator=g) < 0.8
+    perm = torch.randperm(B, generator=g)
+    ids = torch.arange(B // G).repeat_interleave(G)
+    near, far = ids[perm], (ids * 7919 + 10**9)[perm]  # ids in [0, B) index a table; others are made dense
+    r_p, b_p, m_p = rewards[perm], binary[perm], mask[perm]
+    cases = {
+        "group_advantages": (lambda: group_advantages(rewards, group_size=G),
+                             lambda ids: group_advantages(r_p, group_ids=ids)),
+        "rloo_advantages": (lambda: rloo_advantages(rewards, group_size=G),
+                            lambda ids: rloo_advantages(r_p, group_ids=ids)),
+        "passk_advantages (k=4)": (lambda: passk_advantages(binary, k=4, group_size=G),
+                                   lambda ids: passk_advantages(b_p, k=4, group_ids=ids)),
+        "opo_advantages": (lambda: opo_advantages(rewards, mask, group_size=G),
+                           lambda ids: opo_advantages(r_p, m_p, group_ids=ids)),
+        "zero_std_groups": (lambda: zero_std_groups(rewards, group_size=G),
+                            lambda ids: zero_std_groups(r_p, group_ids=ids)),
+    }
+    lines += [
+        f"### group_ids against contiguous group_size (B={B}, G={G}, rows shuffled for group_ids)",
+        "",
+        "| estimator | group_size ms | group_ids in [0, B) ms | ratio | ratio of the fastest runs "
+        "| other ids (torch.unique) ms | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, (contiguous, by_ids) in cases.items():
+        torch.testing.assert_close(by_ids(near).float(), contiguous()[perm].float(), rtol=0, atol=1e-5)
+        fns = {"size": contiguous, "near": lambda: by_ids(near), "far": lambda: by_ids(far)}
+        n = 11 if args.quick else 51
+        times = interleaved(fns, {k: n for k in fns}, stat=lambda v: (statistics.median(v), min(v)))
+        med = {k: v[0] for k, v in times.items()}
+        best = {k: v[1] for k, v in times.items()}
+        lines.append(f"| `{name}` | {fmt_ms(med['size'])} | {fmt_ms(med['near'])} | {med['near'] / med['size']:.2f}x "
+                     f"| {best['near'] / best['size']:.2f}x | {fmt_ms(med['far'])} | {med['far'] / med['size']:.2f}x |")
+        print(lines[-1], flush=True)
+    lines += ["", "Ratio of the fastest runs: the minimum over the interleaved runs of each, less sensitive to "
+              "other jobs on a shared machine than the median.", ""]
+
+
+def load_before(path: str):
+    """The advantages module of an earlier commit, imported from a copied file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("advantages_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_before_after(args, lines):
+    before = load_before(args.before)
+    lines += [
+        f"### Before / after (the same process; before = `{os.path.basename(args.before)}`, the previous "
+        "advantages.py)",
+        "",
+        "| function | shape | before ms | after ms | after / before |",
+        "|---|---|---|---|---|",
+    ]
+    g = torch.Generator().manual_seed(8)
+    rows = []
+    for B, T in ((64, 1024), (512, 1024), (512, 4096)):
+        r, v = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+        lengths = torch.randint(T // 4, T + 1, (B,), generator=g)
+        m = (torch.arange(T)[None, :] < lengths[:, None]) & (torch.rand(B, T, generator=g) > 0.1)
+        rows.append(("gae", f"B={B}, T={T}", lambda r=r, v=v, m=m: before.gae(r, v, m, gamma=1.0, lam=0.95),
+                     lambda r=r, v=v, m=m: gae(r, v, m, gamma=1.0, lam=0.95)))
+    seq = torch.randn(512, generator=g)
+    m = torch.rand(512, 1024, generator=g) < 0.8
+    rows.append(("gae ([B] rewards)", "B=512, T=1024", lambda: before.gae(seq, v[:, :1024], m, gamma=1.0, lam=0.95),
+                 lambda: gae(seq, v[:, :1024], m, gamma=1.0, lam=0.95)))
+    rows.append(("reinforce_pp_advantages", "B=512, T=1024",
+                 lambda: before.reinforce_pp_advantages(seq, m, gamma=0.99, group_size=8),
+                 lambda: reinforce_pp_advantages(seq, m, gamma=0.99, group_size=8)))
+    for G in (8, 16):
+        rew = torch.randn(65536, generator=torch.Generator().manual_seed(G))
+        for scale in ("group", "batch"):
+            rows.append((f"group_advantages (scale={scale!r})", f"B=65536, G={G}",
+                         lambda rew=rew, G=G, s=scale: before.group_advantages(rew, group_size=G, scale=s),
+                         lambda rew=rew, G=G, s=scale: group_advantages(rew, group_size=G, scale=s)))
+        rows.append(("rloo_advantages", f"B=65536, G={G}", lambda rew=rew, G=G: before.rloo_advantages(rew, group_size=G),
+                     lambda rew=rew, G=G: rloo_advantages(rew, group_size=G)))
+    for name, shape, old, new in rows:
+        n = 7 if args.quick else 31
+        med = interleaved({"before": old, "after": new}, {"before": n, "after": n})
+        lines.append(f"| `{name}` | {shape} | {fmt_ms(med['before'])} | {fmt_ms(med['after'])} "
+                     f"| {med['after'] / med['before']:.2f}x |")
+        print(lines[-1], flush=True)
+    lines.append("")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     parser.add_argument("--out", default=RESULTS, help="markdown file to write")
+    parser.add_argument("--before", default=None,
+                        help="path of an earlier advantages.py (e.g. copied from git) to time against")
+    parser.add_argument("--only", default=None, help="comma-separated sections: gae,group,new,ids,before")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -314,8 +536,12 @@ def main():
     lines = ["## Advantages (`benchmarks/bench_advantages.py`)", "", f"Machine: {machine()}.", ""]
     if args.quick:
         lines += ["(--quick run: few repeats)", ""]
-    bench_gae(args, lines)
-    bench_group(args, lines)
+    sections = {"gae": bench_gae, "group": bench_group, "new": bench_new, "ids": bench_group_ids}
+    if args.before:
+        sections["before"] = bench_before_after
+    for name, bench in sections.items():
+        if args.only is None or name in args.only.split(","):
+            bench(args, lines)
     lines += [
         "Medians of interleaved runs. Ratios > 1 mean torchforge is faster. TorchRL's inputs are prepared "
         "(counted tokens moved left, done flags) outside its timed region. MB: bytes allocated during one "

@@ -37,8 +37,11 @@ BENCHMARKS = {
            "time and peak memory",
            "python benchmarks/bench_kl.py"),
     "advantages": ("bench_advantages.py",
-                   "`gae` and `group_advantages` against verl's, TorchRL's and TRL's formulations",
-                   "python benchmarks/bench_advantages.py --threads 1"),
+                   "`gae` and `group_advantages` against verl's, TorchRL's and TRL's formulations; "
+                   "`passk_advantages`, `opo_advantages`, `remax_advantages`, GDPO against their loop "
+                   "or peer forms; `group_ids` against contiguous `group_size`; before / after",
+                   "git show <commit before the change>:torchforge/advantages.py > /tmp/advantages_before.py; "
+                   "python benchmarks/bench_advantages.py --threads 1 --before /tmp/advantages_before.py"),
     "losses": ("bench_losses.py",
                "`ppo_loss` forward + backward against a minimal formula and TRL / verl / TorchRL-style "
                "losses, eager and compiled; bytes saved for backward",
