@@ -299,3 +299,17 @@ def test_ppo_and_grpo_use_policy_loss_in_training(tmp_path):
     trainer = RLTrainer(algorithm=PPOSpy(), config=small_config(tmp_path, algorithm="ppo", max_steps=1,
                                                                 policy_loss="cispo"))
     assert math.isfinite(trainer.train_step(0)["loss"]) and seen[-1] == ("ppo", "cispo")
+
+
+def test_kl_penalty_ignores_nan_outside_the_mask():
+    from torchforge.trainer.config import RLConfig
+
+    grpo = GRPO()
+    grpo.config = RLConfig(policy_loss="reinforce", kl_coef=0.5)
+    batch = _off_policy_batch()
+    batch.mask[0, -1] = False
+    clean = _loss_and_grad(grpo, batch)
+    batch.ref_log_probs = batch.ref_log_probs.clone()
+    batch.ref_log_probs[0, -1] = float("nan")
+    loss, metrics, grad = _loss_and_grad(grpo, batch)
+    assert torch.equal(loss, clean[0]) and torch.equal(metrics["kl"], clean[1]["kl"]) and torch.equal(grad, clean[2])

@@ -313,7 +313,11 @@ class Algorithm:
         cfg = self.config
         if cfg.kl_coef == 0 or batch.ref_log_probs is None:
             return torch.zeros((), device=batch.log_probs.device), {}
-        kl = approx_kl(batch.log_probs, batch.ref_log_probs, old_log_probs=batch.old_log_probs,
+        mask = batch.mask
+        # every side 0 where the mask is False (as grpo_loss): a NaN there cannot reach the gradient
+        kl = approx_kl(torch.where(mask, batch.log_probs.float(), 0.0),
+                       torch.where(mask, batch.ref_log_probs.float(), 0.0),
+                       old_log_probs=torch.where(mask, batch.old_log_probs.float(), 0.0),
                        estimator=cfg.kl_estimator, gradient=cfg.kl_gradient)
         return cfg.kl_coef * self.aggregation(kl, batch.mask), {"kl": masked_mean(kl.detach(), batch.mask)}
 
