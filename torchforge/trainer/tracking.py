@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 __all__ = ["MetricsLogger", "read_metrics", "PROGRESS_KEYS"]
 
 #: the numbers shown on the progress bar
-PROGRESS_KEYS = ("reward", "kl", "entropy", "loss", "completions/mean_length")
+PROGRESS_KEYS = ("reward", "kl", "entropy", "loss", "completions/mean_length", "eval/pass@1")
 
 
 class MetricsLogger:
