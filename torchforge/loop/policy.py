@@ -135,9 +135,9 @@ def _hooks(*handles):
             handle.remove()
 
 
-# Which path computes each model's log-probs, decided on its first call: "fused" (the
-# kernel with the transform read from the config) or "head" (the model's head module, chunk
-# by chunk). Keyed by the model itself (the module inside DDP), forgotten with it.
+# How each model's log-probs are computed, decided on its first call (_check_position):
+# (path, logit_scale, softcap), path "fused" (the kernel) or "head" (the model's head module,
+# chunk by chunk). Keyed by the model itself (the module inside DDP), forgotten with it.
 _PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
