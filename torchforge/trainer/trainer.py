@@ -3,11 +3,17 @@
 One step, top to bottom (:meth:`RLTrainer.train_step`):
 
 1. take this step's prompts (this process's share of ``prompts_per_step``);
-2. sample G completions each (:func:`torchforge.loop.rollout`) and score them;
-3. reference (and, when the algorithm needs them first, old) log-probs, no grad;
-4. ``algorithm.prepare`` (advantages, values...);
-5. ``num_iterations`` optimizer steps, each over every micro-batch with exact aggregation;
-6. metrics (reduced over processes as sums and counts, maxima and minima), logging, checkpoint.
+2. ``_rollout``: sample G completions each (:func:`torchforge.loop.rollout`, with the
+   sampler's ``rollout_log_probs``), and ``_score`` them with the reward functions;
+3. ``_counted_completions``: with ``mask_truncated_completions``, truncated ones count for nothing;
+4. ``_reference_log_probs``: reference (and, when the algorithm needs them first, old)
+   log-probs, no grad;
+5. ``algorithm.prepare`` (advantages, values...);
+6. ``_update``: ``num_iterations`` optimizer steps, each over every micro-batch with exact
+   aggregation (``_loss``: the forward, ``algorithm.compute_loss``'s ``(loss, metrics)``,
+   the entropy bonus);
+7. ``_metrics``: reduced over processes as sums and counts, maxima and minima; then
+   logging and checkpoints (:meth:`RLTrainer.train`).
 """
 
 from __future__ import annotations
