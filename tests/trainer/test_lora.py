@@ -196,3 +196,14 @@ if __name__ == "__main__":
         _run(Path(sys.argv[1]), sys.argv[2])
     finally:
         teardown_distributed()
+
+
+def test_the_lora_block_from_the_command_line(tmp_path, capsys):
+    from torchforge.trainer.cli import main
+
+    settings = ["max_steps=1", "num_generations=2", "prompts_per_step=2", "progress_bar=false"]
+    assert main(["train", "lora={rank: 0}", *settings, f"output_dir={tmp_path / 'bad'}"]) == 2
+    assert "lora.rank=0; expected an int >= 1" in capsys.readouterr().err
+    assert main(["train", "lora={rank: 2, merge: true}", *settings, f"output_dir={tmp_path / 'run'}"]) == 0
+    assert (tmp_path / "run" / "final" / "adapter_config.json").is_file()
+    assert (tmp_path / "run" / "final-merged" / "config.json").is_file()
