@@ -2,6 +2,7 @@
 estimators and losses pass the checks, and deliberately wrong ones fail them."""
 
 import functools
+import math
 
 import pytest
 import torch
@@ -23,16 +24,26 @@ from torchforge.testing import (
 DRAWS = settings(max_examples=60, deadline=None, derandomize=True, database=None)
 
 # (estimator, nonnegative, unbiased): k1 and k3 are unbiased for KL(pi || ref); k2 and abs
-# are not; k2, k3 and abs are >= 0.
+# are not; k2, k3 and abs are >= 0. k3 is unbiased only as Schulman wrote it
+# (max_ratio=inf): approx_kl's default continues it along its tangent beyond
+# ref / pi = max_ratio = 2 (bounded gradient), which biases it there (tested below).
 KL_CLAIMS = {"k1": (False, True), "k2": (True, False), "k3": (True, True), "abs": (True, False)}
-
 
 
 @pytest.mark.parametrize("estimator", KL_ESTIMATORS)
 def test_library_kl_estimators_pass(estimator):
     nonnegative, unbiased = KL_CLAIMS[estimator]
-    check_kl_estimator(functools.partial(approx_kl, estimator=estimator), nonnegative=nonnegative,
-                       unbiased=unbiased)
+    max_ratio = math.inf if estimator == "k3" else 2.0  # exact k3; max_ratio changes only k3
+    check_kl_estimator(functools.partial(approx_kl, estimator=estimator, max_ratio=max_ratio),
+                       nonnegative=nonnegative, unbiased=unbiased)
+
+
+def test_default_bounded_k3_is_nonnegative_and_biased():
+    # The default k3 (tangent beyond ref / pi = 2) keeps k3 >= 0 and 0 at pi = ref ...
+    check_kl_estimator(functools.partial(approx_kl, estimator="k3"), nonnegative=True, unbiased=False)
+    # ... but is biased where ref / pi > 2 has mass: the check must see it.
+    with pytest.raises(AssertionError, match="is not unbiased for KL"):
+        check_kl_estimator(functools.partial(approx_kl, estimator="k3"))
 
 
 @pytest.mark.parametrize("estimator", ["k2", "abs"])
