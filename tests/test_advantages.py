@@ -756,3 +756,17 @@ def test_batch_scaled_advantages_on_two_processes_equal_one(tmp_path):
     # without the sums over ranks each shard would use its own std: the test can fail
     half = W.advantages({k: v[: v.shape[0] // 2] for k, v in W.global_inputs().items()})
     assert not torch.allclose(half["batch"], one["batch"][: one["batch"].shape[0] // 2], atol=1e-3)
+
+
+def test_empty_batches_and_float64_ties():
+    e, m, none = torch.zeros(0), torch.zeros(0, 5, dtype=torch.bool), torch.zeros(0, dtype=torch.long)
+    outs = [group_advantages(e, group_size=4), group_advantages(e, group_size=4, scale="batch"),
+            group_advantages(e, group_ids=none), rloo_advantages(e, group_size=2),
+            group_advantages(torch.zeros(0, 2), group_size=4, reward_weights=[1.0, 1.0]),
+            passk_advantages(e, k=2, group_size=4), opo_advantages(e, m, group_size=4)]
+    assert all(o.shape == (0,) and o.dtype == torch.float32 for o in outs)
+    assert remax_advantages(e, e, m).shape == (0, 5) and zero_std_groups(e, group_ids=none).shape == (0,)
+    # float64 rewards keep their precision for the tie: 0.1 + 0.2 != 0.3, in both functions
+    r = torch.tensor([0.1 + 0.2, 0.3, 1.0, 1.0], dtype=torch.float64)
+    assert zero_std_groups(r, group_size=2).tolist() == [False, False, True, True]
+    torch.testing.assert_close(group_advantages(r, group_size=2, eps=0.0), torch.tensor([0.7071068, -0.7071068, 0.0, 0.0]))
