@@ -416,10 +416,11 @@ def _logits_tile(hidden, weight, bias, head, z, mm=None, u=None):
     if softcap is None:
         factor = logit_scale / temperature
         return z.mul_(factor) if factor != 1.0 else z
-    torch.tanh(z.mul_(logit_scale / softcap), out=z)
-    if u is not None:
-        u.copy_(z)
-    return z.mul_(softcap / temperature)
+    z.mul_(logit_scale / softcap)
+    if u is None:
+        return z.tanh_().mul_(softcap / temperature)
+    torch.tanh(z, out=u)
+    return torch.mul(u, softcap / temperature, out=z)
 
 
 def _tile(flat: torch.Tensor | None, n: int, v: int) -> torch.Tensor | None:
@@ -530,7 +531,7 @@ class _FusedTokenLogProbs(torch.autograd.Function):
                                     torch.where(in_tile.unsqueeze(-1), lp_scale, 0.0))
                 # grad_z = grad_z'' * d z'' / d z
                 if u is not None:
-                    grad_z.mul_(u.mul_(u).neg_().add_(1.0))  # 1 - tanh**2
+                    grad_z.addcmul_(grad_z, u.mul_(u), value=-1.0)  # * (1 - tanh**2)
                 factor = logit_scale / temperature
                 if factor != 1.0:
                     grad_z.mul_(factor)
