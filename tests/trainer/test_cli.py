@@ -30,7 +30,7 @@ def test_train_with_no_config_runs_the_demo_and_says_where_everything_went(tmp_p
     run = tmp_path / "run"
     assert main(["train", *QUICK, f"output_dir={run}"]) == 0
     out = capsys.readouterr().out
-    assert "trained 2 steps (GRPO)" in out and "reward " in out
+    assert "trained 2 steps (GRPO)" in out and "reward " in out and "clipped " in out
     for path in (run / "metrics.jsonl", run / "checkpoints" / "step-000002", run / "final", run / "curves.png"):
         assert str(path) in out and path.exists()
     assert (run / "tensorboard").is_dir() and any((run / "tensorboard").iterdir())
@@ -333,3 +333,64 @@ def test_a_raising_reward_function_is_one_line_naming_it_the_sample_and_the_exce
     assert main(["train", "--debug", "--overwrite", "--config", str(folder / "run.yaml")]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "1.0 / (len(c) - len(c))" in err
+
+
+# --- past one machine -------------------------------------------------------------------------
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_of_one_process_equal_one_process_and_their_checkpoint_resumes_on_one(tmp_path):
+    # Two launchers, as on two machines: each starts one process; node 0 hosts the rendezvous.
+    settings = ["max_steps=2", "prompts_per_step=4", "num_generations=4", "kl_coef=0.05", "progress_bar=false",
+                "loss_aggregation=seq-mean-token-mean"]
+    port = str(_free_port())
+    nodes = [subprocess.Popen([sys.executable, "-m", "torchforge", "train", "--nnodes", "2", "--node-rank", str(r),
+                               "--master-addr", "127.0.0.1", "--master-port", port, *settings,
+                               f"output_dir={tmp_path / 'two'}"], env=ENV, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert "trained 2 steps (GRPO)" in outputs[0][0]  # rank 0 prints the summary
+    assert main(["train", *settings, f"output_dir={tmp_path / 'one'}"]) == 0
+    one, two = (_rows(tmp_path / name) for name in ("one", "two"))
+    assert [r["step"] for r in two] == [1, 2]
+    for a, b in zip(one, two):
+        for key in ("loss", "reward", "kl", "entropy", "grad_norm", "completions/mean_length"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    # the checkpoint of the 2 processes on 2 nodes continues on 1 process
+    with pytest.warns(UserWarning, match="checkpoint saved by 2 processes, resumed with 1"):
+        assert main(["train", "--resume", *settings, "max_steps=3", f"output_dir={tmp_path / 'two'}"]) == 0
+    assert [r["step"] for r in _rows(tmp_path / "two")] == [1, 2, 3]
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# --- the demo ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_demo_learns_to_copy_and_stop(tmp_path):
+    # `torchforge train` as it comes: the clipped ratio falls, and the exported model stops on its own
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = torchforge("train", "progress_bar=false", f"output_dir={tmp_path / 'demo'}")
+    assert out.returncode == 0, out.stderr
+    reward = re.search(r"reward +(-?[\d.]+) -> (-?[\d.]+)", out.stdout).groups()
+    clipped = re.search(r"clipped +([\d.]+) -> ([\d.]+)", out.stdout).groups()
+    assert float(reward[1]) - float(reward[0]) >= 0.5, out.stdout
+    assert float(clipped[0]) > 0.5 and float(clipped[1]) < 0.1, out.stdout
+    final = tmp_path / "demo" / "final"
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final)
+    prompts = [row["prompt"] for row in copy_digits_dataset(64, seed=123)]
+    inputs = tokenizer(prompts, return_tensors="pt")
+    generated = model.generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                               pad_token_id=tokenizer.pad_token_id)[:, inputs["input_ids"].shape[1]:]
+    stopped = [tokenizer.eos_token_id in row.tolist()[:4] for row in generated]
+    assert sum(stopped) / len(stopped) >= 0.9, tokenizer.batch_decode(generated)

@@ -398,7 +398,9 @@ def build_trainer(values: dict[str, Any] | _Run):
     if run.model is None:
         return RLTrainer(config=run.config, distributed_config=run.distributed, environment_factory=run.environment)
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # "Loading weights" bars: the command prints its own summary
     reward_functions = run.reward_functions
     train_dataset = _dataset(run.dataset)
     try:

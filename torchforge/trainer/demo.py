@@ -1,13 +1,15 @@
 """The embedded default task: a tiny Llama, a character tokenizer and a copy task, all local.
 
 ``torchforge train`` with no arguments trains on this, so that a fresh machine with no
-model hub can run the whole pipeline in a few minutes on a CPU. Tests and notebooks use
+model hub can run the whole pipeline on a CPU: 300 steps in about a minute on an idle 2-core
+CPU (about 0.13 s a step; several times longer on a busy machine). Tests and notebooks use
 the same pieces.
 
 The task: the prompt is three digits and ``=`` (``"407="``); the completion should repeat
-them (``"407"``) and stop. The reward gives 1/3 per digit in the right position, so a
-randomly initialized model scores about 1/16 (one vocabulary entry in 16 per position)
-and a model that has learned the task scores 1.
+them (``"407"``) and stop. The reward gives 1/4 per digit in the right position and 1/4
+for the end-of-sequence token right after the third digit, so a randomly initialized
+model scores about 1/15 (one vocabulary entry in 15 per position) and a model that has
+learned the task scores 1 and stops on its own.
 """
 
 from __future__ import annotations
@@ -127,30 +129,54 @@ def copy_digits_dataset(num_prompts: int, *, num_digits: int = 3, seed: int = 0)
 
 
 class CopyDigitsReward(RewardFunction):
-    """Per-position partial credit for copying the prompt's digits.
+    """Partial credit for copying the prompt's digits, and for stopping right after them.
 
-    ``reward = (1 / n) * sum_i [completion[i] == digits[i]]`` over the ``n`` digits of the
-    prompt (the characters before ``=``); characters after the n-th are ignored.
+    ``reward = (sum_i [completion[i] == digits[i]] + stopped - extra) / (n + 1)`` over the
+    ``n`` digits of the prompt (the characters before ``=``), where ``stopped`` is 1 when
+    the completion ends with the end-of-sequence token right after ``n`` tokens (judged
+    from ``completion_ids``; without them, from the text: exactly ``n`` characters) and
+    ``extra`` counts the characters after the n-th. Running on costs what stopping earns,
+    so a digit in the stop position is not rewarded along with the copy before it: the
+    model learns to copy *and stop*.
 
     Args:
-        None.
+        eos_token_id: the end-of-sequence id (default: :func:`char_tokenizer`'s ``<eos>``).
 
     Returns:
-        A reward function: ``compute(completions, prompts)`` -> list of floats in [0, 1].
+        A reward function: ``compute(completions, prompts, completion_ids=None)`` -> list
+        of floats, 1 for a copy that stops.
 
     Example:
-        >>> CopyDigitsReward().compute(["407", "4x", ""], ["407=", "407=", "407="])
-        [1.0, 0.3333333333333333, 0.0]
+        >>> reward = CopyDigitsReward()
+        >>> reward.compute(["407", "4x", ""], ["407=", "407=", "407="])
+        [1.0, 0.25, 0.0]
+        >>> reward.compute(["407", "4071"], ["407=", "407="], completion_ids=[[8, 4, 11, 2], [8, 4, 11, 5]])
+        [1.0, 0.5]
     """
 
     name = "copy_digits"
 
-    def compute(self, completions: Sequence[str], prompts: Sequence[str]) -> list[float]:
+    def __init__(self, eos_token_id: int = SPECIAL_TOKENS.index("<eos>")) -> None:
+        self.eos_token_id = eos_token_id
+
+    def __call__(self, *, prompts: Sequence[str], completions: Sequence[str],
+                 completion_ids: Sequence[Sequence[int]] | None = None, **columns: Any) -> list[float]:
+        return self.compute(completions, prompts, completion_ids=completion_ids)
+
+    def compute(self, completions: Sequence[str], prompts: Sequence[str],
+                completion_ids: Sequence[Sequence[int]] | None = None) -> list[float]:
         rewards = []
-        for completion, prompt in zip(completions, prompts):
+        for b, (completion, prompt) in enumerate(zip(completions, prompts)):
             digits = prompt.split("=", 1)[0]
-            hits = sum(a == b for a, b in zip(completion, digits))
-            rewards.append(hits / max(len(digits), 1))
+            n = len(digits)
+            hits = sum(x == y for x, y in zip(completion, digits))
+            if completion_ids is not None:
+                ids = list(completion_ids[b])
+                stopped = len(ids) == n + 1 and ids[-1] == self.eos_token_id
+            else:
+                stopped = len(completion) == n
+            extra = max(len(completion) - n, 0)
+            rewards.append((hits + float(stopped) - extra) / (n + 1))
         return rewards
 
 
