@@ -58,8 +58,12 @@ def test_weight_attribute_and_name():
     assert reward_name(starts_with_one) == "starts_with_one"
 
 
-def test_copy_digits_reward_gives_partial_credit():
-    assert CopyDigitsReward().compute(["407", "400", "7", "4077"], ["407="] * 4) == [1.0, 2 / 3, 0.0, 1.0]
+def test_copy_digits_reward_gives_partial_credit_and_pays_for_stopping():
+    # (digits right + stopped after 3 - characters past 3) / 4; without ids, stopped = 3 characters
+    assert CopyDigitsReward().compute(["407", "400", "7", "4077"], ["407="] * 4) == [1.0, 0.75, 0.0, 0.5]
+    # with the ids: eos (2) right after the copy; a pad (0) that decodes to nothing is not a stop
+    ids = [[8, 4, 11, 2], [8, 4, 11, 0], [8, 4, 11, 11]]
+    assert CopyDigitsReward().compute(["407", "407", "4077"], ["407="] * 3, completion_ids=ids) == [1.0, 0.75, 0.5]
 
 
 def test_a_raising_function_is_named():
