@@ -22,7 +22,10 @@ and finite metrics.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.nn.functional as F
 
 from torchforge.batch import batch_args
 from torchforge.errors import (
@@ -40,9 +43,7 @@ from torchforge.errors import (
 from torchforge.kl import KL_ESTIMATORS, KL_GRADIENTS, _estimate
 from torchforge.reduce import (
     Aggregation,
-    masked_max,
     masked_mean,
-    masked_min,
     masked_sum,
 )
 
@@ -109,10 +110,16 @@ def _check_clip(fn: str, clip_low, clip_high, dual_clip=None) -> float:
     return clip_high
 
 
-def _aggregate(fn: str, per_token: torch.Tensor, mask: torch.Tensor, aggregation) -> torch.Tensor:
-    """``aggregate(per_token, mask, **aggregation)``, its errors naming the loss ``fn``."""
+def _aggregate(fn: str, per_token: torch.Tensor, mask: torch.Tensor, aggregation, count=None) -> torch.Tensor:
+    """``aggregate(per_token, mask, **aggregation)``, its errors naming the loss ``fn``.
+
+    ``count``: this call's token count ``mask.sum()`` when the loss has it already; a
+    mode name without global counts then reuses it instead of counting again."""
+    aggregation = Aggregation.of(aggregation)
+    if count is not None and aggregation.num_tokens is None and aggregation.dp_size == 1:
+        aggregation = dataclasses.replace(aggregation, num_tokens=count)
     try:
-        return Aggregation.of(aggregation)(per_token, mask)
+        return aggregation(per_token, mask)
     except (InvalidArgumentError, ShapeError) as error:
         raise type(error)(str(error).replace("aggregate: ", f"{fn}: aggregation ", 1)) from None
 
@@ -124,6 +131,15 @@ def _masked_log_ratio(log_probs, old_log_probs, mask) -> torch.Tensor:
     NaN at a masked position reaches neither the loss nor ``log_probs.grad``.
     """
     return torch.where(mask, log_probs.float() - old_log_probs.detach().float(), 0.0)
+
+
+def _clamp_log_ratio(log_ratio: torch.Tensor, max_log_ratio: float) -> torch.Tensor:
+    """``clamp(log_ratio, -max_log_ratio, max_log_ratio)``; zero gradient where clamped.
+
+    Written as ``hardtanh`` (the same clamp) because its backward is one elementwise
+    kernel where ``torch.clamp``'s is several (bench_losses.py: about 0.1x of the
+    minimal PPO formula, eager CPU)."""
+    return F.hardtanh(log_ratio, -max_log_ratio, max_log_ratio)
 
 
 # --- ratios -----------------------------------------------------------------------------
@@ -196,7 +212,7 @@ def policy_ratio(
     log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
     if level == "sequence":
         log_ratio = _sequence_log_ratio(log_ratio, mask)
-    return torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
+    return torch.exp(_clamp_log_ratio(log_ratio, max_log_ratio))
 
 
 def _ratio_metrics(log_ratio, ratio, mask, count, max_log_ratio: float, *, token_ratio=None) -> dict[str, torch.Tensor]:
@@ -207,16 +223,38 @@ def _ratio_metrics(log_ratio, ratio, mask, count, max_log_ratio: float, *, token
     ``mean(exp(log_ratio) - 1 - log_ratio)``, from the *token* log-ratio whatever the
     ratio the loss weighs by (``token_ratio``, its exp, when the caller has it); the
     ratio statistics are those of ``ratio`` ([B, T] or [B, 1]).
+
+    ``log_ratio`` is 0 where ``mask`` is False (:func:`_masked_log_ratio`), so there the
+    token ratio is 1 and both ``token_ratio - 1`` and k3 are 0: their plain sums are the
+    masked sums, with no ``where`` and no extra pass over the mask.
     """
+    weighs_by_token_ratio = ratio is token_ratio
     token_lr = log_ratio.detach().clamp(-max_log_ratio, max_log_ratio)
     token_ratio = torch.exp(token_lr) if token_ratio is None else token_ratio.detach()
-    ratio = ratio.detach().expand(mask.shape)
-    return {
-        "approx_kl": masked_sum(token_ratio - 1 - token_lr, mask) / count,
-        "ratio_mean": masked_sum(ratio, mask) / count,
-        "ratio_min": masked_min(ratio, mask),
-        "ratio_max": masked_max(ratio, mask),
-    }
+    excess = token_ratio - 1                                    # 0 where masked
+    if weighs_by_token_ratio:
+        ratio_sum = excess.sum() + torch.count_nonzero(mask)
+    else:
+        ratio_sum = masked_sum(ratio.detach().expand(mask.shape), mask)
+    k3 = excess.sub_(token_lr)                                  # token_ratio - 1 - token_lr
+    ratio_min, ratio_max = _masked_aminmax(ratio.detach().expand(mask.shape), mask)
+    return {"approx_kl": k3.sum() / count, "ratio_mean": ratio_sum / count,
+            "ratio_min": ratio_min, "ratio_max": ratio_max}
+
+
+def _masked_aminmax(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(masked_min(values, mask), masked_max(values, mask))`` with one fill and one
+    ``aminmax``: the positions not counted take the value of the first counted one, which
+    moves neither extremum; ``(0, 0)`` when nothing is counted, as ``masked_min`` /
+    ``masked_max``."""
+    if mask.numel() == 0:
+        zero = torch.zeros((), device=values.device)
+        return zero, zero
+    first = mask.reshape(-1).view(torch.uint8).argmax()         # the first True (0 if none)
+    any_counted = mask.reshape(-1).gather(0, first.view(1)).squeeze(0)
+    filled = torch.where(mask, values, values.reshape(-1).gather(0, first.view(1)).squeeze(0))
+    low, high = torch.aminmax(filled.float())
+    return torch.where(any_counted, low, 0.0), torch.where(any_counted, high, 0.0)
 
 
 def _frac(flags: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -225,21 +263,22 @@ def _frac(flags: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> torch
 
 
 def _frac_by_sign(flags: torch.Tensor, A: torch.Tensor, mask: torch.Tensor, count: torch.Tensor):
-    """``(_frac(flags & (A < 0)), _frac(flags & (A > 0)))``; one [B, T] pass when ``A`` is [B, 1]."""
+    """``(_frac(flags & (A < 0)), _frac(flags & (A > 0)))``; one count per row when ``A`` is [B, 1]."""
+    flags = flags & mask
     if A.shape[-1] == 1:
-        per_row = masked_sum(flags.float(), mask, dim=-1)
+        per_row = torch.count_nonzero(flags, dim=-1)
         A = A.squeeze(-1)
         return (per_row * (A < 0)).sum() / count, (per_row * (A > 0)).sum() / count
-    return _frac(flags & (A < 0), mask, count), _frac(flags & (A > 0), mask, count)
+    return torch.count_nonzero(flags & (A < 0)) / count, torch.count_nonzero(flags & (A > 0)) / count
 
 
 # --- the PPO surrogate -----------------------------------------------------------------
 
 def _ppo_per_token(fn, log_probs, old_log_probs, advantages, mask, weights, *,
                    clip_low, clip_high, dual_clip, ratio_level, max_log_ratio):
-    """The per-token loss of :func:`ppo_loss` (weights applied), its metrics, and the
+    """The per-token loss of :func:`ppo_loss` (weights applied), its metrics, the
     token log-ratio (0 where masked), whose ratio the bias-corrected KL of
-    :func:`grpo_loss` reuses."""
+    :func:`grpo_loss` reuses, and the token count (clamped at 1) the metrics divide by."""
     _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
     clip_high = _check_clip(fn, clip_low, clip_high, dual_clip)
     check_choice(fn, "ratio_level", ratio_level, RATIO_LEVELS)
@@ -248,7 +287,7 @@ def _ppo_per_token(fn, log_probs, old_log_probs, advantages, mask, weights, *,
 
     log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
     weighing_log_ratio = _sequence_log_ratio(log_ratio, mask) if ratio_level == "sequence" else log_ratio
-    ratio = torch.exp(weighing_log_ratio.clamp(-max_log_ratio, max_log_ratio))
+    ratio = torch.exp(_clamp_log_ratio(weighing_log_ratio, max_log_ratio))
     pg_loss1 = -A * ratio
     pg_loss2 = -A * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
     pg_loss = torch.maximum(pg_loss1, pg_loss2)
@@ -261,15 +300,16 @@ def _ppo_per_token(fn, log_probs, old_log_probs, advantages, mask, weights, *,
     with torch.no_grad():
         # A token is clipped when the clip takes its gradient: ratio < 1 - clip_low with
         # A < 0, ratio > 1 + clip_high with A > 0; the dual clip: ratio > c with A < 0.
-        # (pg_loss2 > pg_loss1 is exactly "the clip is active"; False where masked.)
-        count = mask.sum().clamp(min=1)
+        # pg_loss2 > pg_loss1 is exactly "the clip is active" (_frac_by_sign keeps the
+        # counted tokens of it).
+        count = torch.count_nonzero(mask).clamp(min=1)
         clip_frac_low, clip_frac_high = _frac_by_sign(pg_loss2 > pg_loss1, A, mask, count)
         metrics = {"clip_frac_low": clip_frac_low, "clip_frac_high": clip_frac_high}
         if dual_clip is not None:
             metrics["dual_clip_frac"] = _frac_by_sign(ratio > dual_clip, A, mask, count)[0]
         token_ratio = ratio if ratio_level == "token" else None
         metrics.update(_ratio_metrics(log_ratio, ratio, mask, count, max_log_ratio, token_ratio=token_ratio))
-    return pg_loss, metrics, log_ratio
+    return pg_loss, metrics, log_ratio, count
 
 
 @batch_args
@@ -357,11 +397,11 @@ def ppo_loss(
         ranks (means weighted by tokens, ``ratio_max`` / ``ratio_min`` by max / min).
     """
     fn = "ppo_loss"
-    pg_loss, metrics, _ = _ppo_per_token(
+    pg_loss, metrics, _, count = _ppo_per_token(
         fn, log_probs, old_log_probs, advantages, mask, weights, clip_low=clip_low,
         clip_high=clip_high, dual_clip=dual_clip, ratio_level=ratio_level, max_log_ratio=max_log_ratio,
     )
-    return _aggregate(fn, pg_loss, mask, aggregation), metrics
+    return _aggregate(fn, pg_loss, mask, aggregation, count), metrics
 
 
 @batch_args
@@ -454,7 +494,7 @@ def grpo_loss(
             f"{fn}: kl_coef={kl_coef} needs ref_log_probs ([B, T] log-probs under the "
             "reference policy); pass them, or kl_coef=0"
         )
-    pg_loss, metrics, log_ratio = _ppo_per_token(
+    pg_loss, metrics, log_ratio, count = _ppo_per_token(
         fn, log_probs, old_log_probs, advantages, mask, weights, clip_low=clip_low,
         clip_high=clip_high, dual_clip=dual_clip, ratio_level=ratio_level, max_log_ratio=max_log_ratio,
     )
@@ -465,14 +505,14 @@ def grpo_loss(
         # kl = approx_kl(log_probs, ref_log_probs, old_log_probs=old_log_probs, ...) on the
         # counted tokens; its log-ratio is 0 where masked, so a NaN there reaches nothing.
         kl_log_ratio = torch.where(mask, log_probs.float() - ref_log_probs.detach().float(), 0.0)
-        rho = torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio)) if kl_gradient == "bias-corrected" else None
+        rho = torch.exp(_clamp_log_ratio(log_ratio, max_log_ratio)) if kl_gradient == "bias-corrected" else None
         kl = _estimate(kl_log_ratio, kl_estimator, kl_gradient, 2.0, rho)  # approx_kl's max_ratio
         per_token = per_token + kl_coef * kl
-        with torch.no_grad():
-            metrics["kl"] = masked_mean(kl.detach(), mask)
+        with torch.no_grad():  # kl is 0 where masked (its log-ratio is): a plain sum
+            metrics["kl"] = kl.detach().sum() / count
     else:
         metrics["kl"] = torch.zeros((), device=log_probs.device)
-    return _aggregate(fn, per_token, mask, aggregation), metrics
+    return _aggregate(fn, per_token, mask, aggregation, count), metrics
 
 
 @batch_args
@@ -580,7 +620,7 @@ def cispo_loss(
     A = _per_token(fn, "advantages", advantages, log_probs)
 
     log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask).detach()
-    ratio = torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
+    ratio = torch.exp(_clamp_log_ratio(log_ratio, max_log_ratio))
     lp = torch.where(mask, log_probs.float(), 0.0)
     pg_loss = -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * A * lp
     if weights is not None:
@@ -664,7 +704,7 @@ def sapo_loss(
     A = _per_token(fn, "advantages", advantages, log_probs)
 
     log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
-    ratio = torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
+    ratio = torch.exp(_clamp_log_ratio(log_ratio, max_log_ratio))
     tau = torch.where(A > 0, tau_pos, tau_neg)
     gate = (4 / tau) * torch.sigmoid(tau * (ratio - 1))
     pg_loss = -A * gate
@@ -752,7 +792,7 @@ def gmpo_loss(
     )
     lengths = mask.sum(-1, keepdim=True).clamp(min=1)
     seq_log_ratio = clipped.sum(-1, keepdim=True) / lengths
-    ratio = torch.exp(seq_log_ratio.clamp(-max_log_ratio, max_log_ratio))
+    ratio = torch.exp(_clamp_log_ratio(seq_log_ratio, max_log_ratio))
     seq_A = masked_sum(A, mask, dim=-1).unsqueeze(-1) / lengths
     pg_loss = (-seq_A * ratio).expand(mask.shape)
 
@@ -860,7 +900,7 @@ def clip_cov_loss(
         here: the gradient is the same, the loss value keeps their term.
     """
     fn = "clip_cov_loss"
-    pg_loss, metrics, _ = _ppo_per_token(
+    pg_loss, metrics, log_ratio, count = _ppo_per_token(
         fn, log_probs, old_log_probs, advantages, mask, None, clip_low=clip_low,
         clip_high=clip_high, dual_clip=None, ratio_level="token", max_log_ratio=max_log_ratio,
     )
@@ -871,14 +911,14 @@ def clip_cov_loss(
         A = _per_token(fn, "advantages", advantages, log_probs)
         cov = _covariance(A, log_probs, mask)
         clip_high = clip_low if clip_high is None else clip_high
-        ratio = torch.exp(_masked_log_ratio(log_probs, old_log_probs, mask).clamp(-max_log_ratio, max_log_ratio))
+        ratio = torch.exp(_clamp_log_ratio(log_ratio.detach(), max_log_ratio))
         clipped = ((ratio < 1 - clip_low) & (A < 0)) | ((ratio > 1 + clip_high) & (A > 0))
         candidates = mask & ~clipped & (cov > cov_low) & (cov < cov_high)
         draw = torch.rand(mask.shape, generator=generator, device=log_probs.device)
         detached = _first_k(draw, candidates, k, k_max)
-        metrics["cov_clip_frac"] = _frac(detached, mask, mask.sum().clamp(min=1))
+        metrics["cov_clip_frac"] = _frac(detached, mask, count)
     pg_loss = torch.where(detached, pg_loss.detach(), pg_loss)
-    return _aggregate(fn, pg_loss, mask, aggregation), metrics
+    return _aggregate(fn, pg_loss, mask, aggregation, count), metrics
 
 
 @batch_args
@@ -943,7 +983,7 @@ def kl_cov_loss(
     A = _per_token(fn, "advantages", advantages, log_probs)
 
     log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
-    ratio = torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
+    ratio = torch.exp(_clamp_log_ratio(log_ratio, max_log_ratio))
     with torch.no_grad():
         selected = _first_k(-_covariance(A, log_probs, mask), mask, k, k_max)
     pg_loss = -A * ratio + torch.where(selected, kl_coef * log_ratio.abs(), 0.0)
