@@ -160,6 +160,24 @@ def test_whitening_and_batch_scale_use_every_process(tmp_path, settings):
     # REINFORCE++ whitens the returns and advantage_scale="batch" divides by the reward std
     # with the statistics of every process (sum_over_ranks): each process alone would whiten
     # its own half with other statistics, and the losses and gradients would differ.
+    runs = _one_and_two_processes(tmp_path, settings)
+    for a, b in zip(runs["one"], runs["two"]):
+        assert a["grad_norm"] > 0
+        for key in ("loss", "reward", "kl", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+def test_ratio_extremes_are_the_max_and_min_over_processes(tmp_path):
+    # the second pass's ratio_max / ratio_min: the max / min over both processes' tokens, as
+    # in one process (a token-weighted mean of the two processes' maxima would differ)
+    runs = _one_and_two_processes(tmp_path, ["algorithm=grpo", "num_iterations=2"])
+    for a, b in zip(runs["one"], runs["two"]):
+        assert a["ratio_max"] > 1 > a["ratio_min"]
+        for key in ("ratio_max", "ratio_min", "ratio_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+def _one_and_two_processes(tmp_path, settings):
     import json
 
     from torchforge.trainer.cli import main
@@ -171,10 +189,7 @@ def test_whitening_and_batch_scale_use_every_process(tmp_path, settings):
         assert main(["train", *nproc, *common, f"output_dir={tmp_path / name}"]) == 0
         runs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in runs["two"]] == [1, 2]
-    for a, b in zip(runs["one"], runs["two"]):
-        assert a["grad_norm"] > 0
-        for key in ("loss", "reward", "kl", "grad_norm"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    return runs
 
 
 # --- the settings of the policy loss (RLConfig.policy_loss, kl_gradient) ---------------------
