@@ -54,6 +54,10 @@ BENCHMARKS = {
              "`GRPOTrainer`: step time, peak memory, where the time goes",
              "python benchmarks/bench_loop.py --profile  "
              "# with the python of an environment that has TRL for the TRL rows (see its docstring)"),
+    "lora": ("bench_lora.py",
+             "a GRPO step with a KL penalty, full fine-tuning (reference = a deep copy) against LoRA "
+             "(reference = the policy with its adapters disabled): weights, gradients, AdamW state, peak memory",
+             "python benchmarks/bench_lora.py"),
 }
 
 START, END = "<!-- summary -->", "<!-- /summary -->"
