@@ -231,30 +231,20 @@ def _ratio_metrics(log_ratio, ratio, mask, count, max_log_ratio: float, *, token
     weighs_by_token_ratio = ratio is token_ratio
     token_lr = log_ratio.detach().clamp(-max_log_ratio, max_log_ratio)
     token_ratio = torch.exp(token_lr) if token_ratio is None else token_ratio.detach()
+    ratio = ratio.detach().expand(mask.shape)
+    num = torch.count_nonzero(mask)
     excess = token_ratio - 1                                    # 0 where masked
-    if weighs_by_token_ratio:
-        ratio_sum = excess.sum() + torch.count_nonzero(mask)
-    else:
-        ratio_sum = masked_sum(ratio.detach().expand(mask.shape), mask)
+    ratio_sum = excess.sum() + num if weighs_by_token_ratio else masked_sum(ratio, mask)
+    ratio_mean = ratio_sum / count
     k3 = excess.sub_(token_lr)                                  # token_ratio - 1 - token_lr
-    ratio_min, ratio_max = _masked_aminmax(ratio.detach().expand(mask.shape), mask)
-    return {"approx_kl": k3.sum() / count, "ratio_mean": ratio_sum / count,
-            "ratio_min": ratio_min, "ratio_max": ratio_max}
-
-
-def _masked_aminmax(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(masked_min(values, mask), masked_max(values, mask))`` with one fill and one
-    ``aminmax``: the positions not counted take the value of the first counted one, which
-    moves neither extremum; ``(0, 0)`` when nothing is counted, as ``masked_min`` /
-    ``masked_max``."""
-    if mask.numel() == 0:
-        zero = torch.zeros((), device=values.device)
-        return zero, zero
-    first = mask.reshape(-1).view(torch.uint8).argmax()         # the first True (0 if none)
-    any_counted = mask.reshape(-1).gather(0, first.view(1)).squeeze(0)
-    filled = torch.where(mask, values, values.reshape(-1).gather(0, first.view(1)).squeeze(0))
-    low, high = torch.aminmax(filled.float())
-    return torch.where(any_counted, low, 0.0), torch.where(any_counted, high, 0.0)
+    # masked min and max with one fill and one aminmax: the positions not counted take the
+    # mean of the counted ratios, which lies between their min and max (to within one
+    # rounding), so it moves neither extremum.
+    filled = torch.where(mask, ratio, ratio_mean)
+    ratio_min, ratio_max = torch.aminmax(filled) if filled.numel() else (ratio_mean, ratio_mean)
+    counted = num > 0                                           # else 0, as masked_min / max
+    return {"approx_kl": k3.sum() / count, "ratio_mean": ratio_mean,
+            "ratio_min": torch.where(counted, ratio_min, 0.0), "ratio_max": torch.where(counted, ratio_max, 0.0)}
 
 
 def _frac(flags: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
