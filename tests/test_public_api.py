@@ -15,8 +15,10 @@ import pytest
 
 import torchforge
 import torchforge.batch
+from torchforge.batch import Batch
 
 # The primitive layer of DESIGN.md; modules not written yet are skipped.
+BATCH_KEYS = set(Batch.__dataclass_fields__) - {"batch_size"}
 PRIMITIVE_MODULES = ("log_probs", "kl", "advantages", "losses", "corrections", "reduce", "batch", "errors")
 # What a primitive may import besides the standard library and other primitives.
 PRIMITIVE_DEPENDENCIES = {"torch", "tensordict", "einops"}
@@ -131,9 +133,16 @@ def _is_batch_args_wrapper(fn):
 
 @pytest.mark.parametrize("fn", _primitive_functions())
 def test_primitive_signature_conventions(fn):
-    # Every public primitive takes a Batch / TensorDict first (@batch_args), has no
-    # *args / **kwargs, and every boolean or string hyperparameter is keyword-only.
-    assert _is_batch_args_wrapper(fn), f"{fn.__name__} is not decorated with @batch_args"
+    # A primitive takes a Batch / TensorDict first (@batch_args) exactly when its tensors
+    # really are batch keys (or the model outputs logits / hidden): the reductions take
+    # any values (masked_mean(batch) must not silently read `values`), and a function of
+    # entropy, lengths or a coefficient is not batch-called. No *args / **kwargs; every
+    # boolean or string hyperparameter is keyword-only.
+    first = next(iter(inspect.signature(fn).parameters))
+    batch_called = fn.__module__ != "torchforge.reduce" and first in BATCH_KEYS | {"logits", "hidden"}
+    assert _is_batch_args_wrapper(fn) == batch_called, (
+        f"{fn.__name__}({first}, ...): @batch_args expected {batch_called}"
+    )
     for param in inspect.signature(fn).parameters.values():
         assert param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD), (
             f"{fn.__name__}: *{param.name} / **{param.name} in a primitive"
