@@ -758,6 +758,23 @@ def test_batch_scaled_advantages_on_two_processes_equal_one(tmp_path):
     assert not torch.allclose(half["batch"], one["batch"][: one["batch"].shape[0] // 2], atol=1e-3)
 
 
+@settings(max_examples=30, deadline=None)
+@given(groups=st.integers(1, 6), G=st.integers(1, 6), seed=st.integers(0, 2**16),
+       offset=st.sampled_from([0.0, 1e4]), ids=st.booleans())
+def test_batch_scale_std_is_the_std_of_all_finite_rewards(groups, G, seed, offset, ids):
+    # scale="batch" pools the batch variance from the groups' statistics: it must equal the
+    # unbiased std of every finite reward, also at an offset of 1e4 with a spread of 1e-2
+    g = torch.Generator().manual_seed(seed)
+    r = (torch.randn(groups * G, generator=g, dtype=torch.float64) * 1e-2 + offset).float()
+    r[torch.rand(groups * G, generator=g) < 0.2] = float("nan")
+    kwargs = {"group_ids": torch.arange(groups).repeat_interleave(G)} if ids else {"group_size": G}
+    centered = group_advantages(r, scale="none", **kwargs)
+    finite = r[torch.isfinite(r)].double()
+    std = finite.std() if finite.numel() > 1 else torch.tensor(0.0, dtype=torch.float64)
+    expected = (centered.double() / (std + 1e-6)).float()
+    torch.testing.assert_close(group_advantages(r, scale="batch", **kwargs), expected, rtol=2e-5, atol=1e-6)
+
+
 def test_empty_batches_and_float64_ties():
     e, m, none = torch.zeros(0), torch.zeros(0, 5, dtype=torch.bool), torch.zeros(0, dtype=torch.long)
     outs = [group_advantages(e, group_size=4), group_advantages(e, group_size=4, scale="batch"),

@@ -21,6 +21,7 @@ from torchforge.reduce import (
     masked_sum,
     masked_var,
     masked_whiten,
+    pooled_var,
 )
 
 SETTINGS = settings(max_examples=30, deadline=None)
@@ -538,3 +539,66 @@ def test_bad_inputs():
         masked_whiten(values, mask, eps=-1.0)
     with pytest.raises(DTypeError, match="aggregate: per_token has dtype torch.int64; expected a floating-point"):
         aggregate(values.long(), mask)
+
+
+# --- pooled_var: the variance of the union from each part's statistics -----------------------
+
+def test_pooled_var_hand_derived():
+    # parts [1, 3] (n 2, mean 2, M2 2) and [5] (n 1, mean 5, M2 0): values 1, 3, 5 -> mean 3,
+    # squared deviations 4 + 0 + 4 = 8 -> unbiased 4, biased 8/3; M2 = 2 + 0 + 2 * 1 + 1 * 4.
+    n, mean, m2 = torch.tensor([2.0, 1.0]), torch.tensor([2.0, 5.0]), torch.tensor([2.0, 0.0])
+    assert pooled_var(n, mean, m2).item() == 4.0
+    torch.testing.assert_close(pooled_var(n, mean, m2, unbiased=False), torch.tensor(8 / 3), rtol=0, atol=1e-7)
+    # an empty part adds nothing, whatever its (finite) mean; one value in all has no spread
+    assert pooled_var(torch.tensor([2.0, 0.0, 1.0]), torch.tensor([2.0, 123.0, 5.0]), torch.tensor([2.0, 0.0, 0.0])).item() == 4.0
+    assert pooled_var(torch.tensor([1.0, 0.0]), torch.tensor([7.0, 0.0]), torch.zeros(2)).item() == 0.0
+    assert pooled_var(torch.zeros(0), torch.zeros(0), torch.zeros(0)).item() == 0.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(parts=st.integers(1, 6), seed=st.integers(0, 2**16), offset=st.sampled_from([0.0, 1e4]))
+def test_pooled_var_equals_masked_var_of_the_union(parts, seed, offset):
+    g = torch.Generator().manual_seed(seed)
+    chunks = [torch.randn(int(torch.randint(0, 5, (1,), generator=g)), generator=g, dtype=torch.float64) * 1e-2 + offset
+              for _ in range(parts)]
+    n = torch.tensor([float(c.numel()) for c in chunks])
+    mean = torch.stack([c.mean() if c.numel() else c.new_zeros(()) for c in chunks])
+    m2 = torch.stack([((c - c.mean()) ** 2).sum() if c.numel() else c.new_zeros(()) for c in chunks])
+    union = torch.cat(chunks)
+    expected = union.var() if union.numel() > 1 else torch.tensor(0.0, dtype=torch.float64)
+    torch.testing.assert_close(pooled_var(n, mean, m2).double(), expected, rtol=1e-6, atol=1e-12)
+
+
+def test_pooled_var_over_ranks_equals_one_process():
+    # two "ranks" holding two parts each: sum_over_ranks adds the other rank's share
+    n, mean, m2 = torch.tensor([3.0, 2.0, 4.0, 1.0]), torch.tensor([1.0, 2.0, 10.0, -3.0]), torch.tensor([0.5, 1.0, 2.0, 0.0])
+    one = pooled_var(n, mean, m2)
+    shares = {}
+
+    def rank(r):
+        part = slice(2 * r, 2 * r + 2)
+
+        def sum_over_ranks(t):
+            shares.setdefault(r, []).append(t)
+            return t + pooled_share(1 - r, len(shares[r]) - 1)
+
+        return pooled_var(n[part], mean[part], m2[part], sum_over_ranks=sum_over_ranks)
+
+    def pooled_share(r, call):  # what rank r sends in its call number `call` (the same sums)
+        part = slice(2 * r, 2 * r + 2)
+        n_i, mean_i = n[part].double(), mean[part].double()
+        if call == 0:
+            return torch.stack([n_i.sum(), (n_i * mean_i).sum()])
+        total = n.double().sum()
+        global_mean = (n.double() * mean.double()).sum() / total
+        return (m2[part].double().sum() + (n_i * (mean_i - global_mean) ** 2).sum()).reshape(1)
+
+    for r in range(2):
+        torch.testing.assert_close(rank(r), one, rtol=1e-6, atol=0)
+
+
+def test_pooled_var_bad_input():
+    with pytest.raises(ShapeError, match=r"pooled_var: counts, means and m2 have shapes \(2,\), \(3,\)"):
+        pooled_var(torch.ones(2), torch.ones(3), torch.ones(2))
+    with pytest.raises(InvalidArgumentError, match="pooled_var: sum_over_ranks is a int"):
+        pooled_var(torch.ones(2), torch.ones(2), torch.ones(2), sum_over_ranks=3)

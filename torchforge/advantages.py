@@ -43,7 +43,7 @@ from torchforge.errors import (
     shape_str,
 )
 from torchforge.kl import approx_kl
-from torchforge.reduce import masked_var, masked_whiten
+from torchforge.reduce import masked_var, masked_whiten, pooled_var
 
 __all__ = [
     "GROUP_SCALES",
@@ -165,38 +165,42 @@ def _groups(fn: str, rewards: torch.Tensor, group_size, group_ids, *, min_size: 
 
 
 def _deviations(groups: _Groups, rewards: torch.Tensor):
-    """``(d, valid, d_sum, tied)``: the rewards minus their group's smallest finite reward.
+    """``(d, valid, d_sum, low, tied)``: the rewards minus their group's smallest finite reward.
 
-    ``d = r - min_g r`` (float32) at finite rewards and 0 elsewhere, formed in the input's
-    precision (float64 stays float64) before the cast, so that a constant added to every
-    reward cancels exactly; ``valid`` is 1.0 where ``r`` is finite, else 0.0 (both in
-    ``groups.view`` layout). Per group: ``d_sum``, the float32 sum of ``d``, and ``tied``
-    (bool), True where the finite rewards are all equal (or fewer than two): every
-    ``d >= 0``, and ``r - m == 0`` exactly when ``r == m``, so the group is tied exactly when
-    the sum of its ``d`` (in the input's precision) is 0.
+    ``d = r - low`` (float32) at finite rewards and 0 elsewhere, with ``low = min_g r`` over
+    the finite rewards (0 for a group with none), formed in the input's precision (float64
+    stays float64) before the cast, so that a constant added to every reward cancels
+    exactly; ``valid`` is 1.0 where ``r`` is finite, else 0.0 (both in ``groups.view``
+    layout). Per group: ``d_sum``, the float32 sum of ``d``, ``low`` (input precision) and
+    ``tied`` (bool), True where the finite rewards are all equal (or fewer than two): every
+    ``d >= 0``, and ``r - low == 0`` exactly when ``r == low``, so the group is tied exactly
+    when the sum of its ``d`` (in the input's precision) is 0.
 
     Written with ``nan_to_num`` and 0 / 1 weights instead of bool masks and ``where``: on
-    CPU several times faster for these shapes.
+    CPU several times faster for these shapes. A non-finite reward is +inf in ``r_inf``, so
+    ``r_inf - low`` is +inf exactly there and one ``nan_to_num`` zeroes it.
     """
     r = groups.view(rewards.to(torch.promote_types(rewards.dtype, torch.float32)))
-    low = groups.amin(torch.nan_to_num(r, nan=math.inf, posinf=math.inf, neginf=math.inf))
-    low = torch.nan_to_num(low, posinf=0.0)  # +inf: a group with no finite reward
+    r_inf = torch.nan_to_num(r, nan=math.inf, posinf=math.inf, neginf=math.inf)
+    low = torch.nan_to_num(groups.amin(r_inf), posinf=0.0)  # +inf: a group with no finite reward
     valid = torch.nan_to_num(r * 0.0 + 1.0, nan=0.0)  # 1 where finite (inf * 0 is NaN too)
-    d = (torch.nan_to_num(r, nan=0.0, posinf=0.0, neginf=0.0) - groups.expand(low)) * valid
+    d = torch.nan_to_num(r_inf - groups.expand(low), posinf=0.0)
     d_sum = groups.sum(d)
-    return d.float(), valid.float(), d_sum.float(), ~(d_sum > 0)
+    return d.float(), valid.float(), d_sum.float(), low, ~(d_sum > 0)
 
 
 def _centered(groups: _Groups, rewards: torch.Tensor):
-    """``(centered, n)``: ``r - mean_g`` over the finite rewards (0 at the others) in
-    ``groups.view`` layout, and the float32 count of finite rewards of each group.
+    """``(centered, n, low, mean_d)``: ``r - mean_g`` over the finite rewards (0 at the
+    others) in ``groups.view`` layout, the float32 count of finite rewards of each group, and
+    ``mean_g = low + mean_d`` as its two parts (``low`` in the input's precision).
 
     A tied group is exactly 0: its deviations ``r - min_g r`` are all exactly 0, and so is
     their mean. Every factor applied to ``centered`` is finite, so it stays 0.
     """
-    d, valid, d_sum, _ = _deviations(groups, rewards)
+    d, valid, d_sum, low, _ = _deviations(groups, rewards)
     n = groups.sum(valid)
-    return (d - groups.expand(d_sum / n.clamp(min=1))) * valid, n
+    mean_d = d_sum / n.clamp(min=1)
+    return (d - groups.expand(mean_d)).mul_(valid), n, low, mean_d
 
 
 def _batch_std(values: torch.Tensor, mask: torch.Tensor, sum_over_ranks) -> torch.Tensor:
@@ -315,10 +319,14 @@ def group_advantages(
             "expected [B, K] rewards (one column per reward) with K weights"
         )
     weights = _check_weights(fn, reward_weights, rewards) if rewards.dim() == 2 else None
-    centered, n = _centered(groups, rewards)
+    centered, n, low, mean_d = _centered(groups, rewards)
     if scale == "group":
         std_g = (groups.sum(centered.square()) / (n - 1).clamp(min=1)).sqrt()
         advantages = centered * groups.expand(_scale_factor(std_g, eps))
+    elif scale == "batch" and rewards.dim() == 1:  # the batch variance pooled from the groups'
+        m2_g = groups.sum(centered.square())
+        var = pooled_var(n, low.double() + mean_d.double(), m2_g, sum_over_ranks=sum_over_ranks)
+        advantages = centered * _scale_factor(var.sqrt(), eps)
     elif scale == "batch":
         advantages = centered * _scale_factor(_batch_std(rewards, torch.isfinite(rewards), sum_over_ranks), eps)
     else:
@@ -328,7 +336,7 @@ def group_advantages(
         s = advantages @ weights
         std_s = _batch_std(s, torch.isfinite(rewards).any(-1), sum_over_ranks)
         advantages = s * _scale_factor(std_s, eps)
-    return advantages + 0.0  # -0.0 -> 0.0
+    return advantages.add_(0.0)  # -0.0 -> 0.0
 
 
 @batch_args
@@ -370,9 +378,9 @@ def rloo_advantages(
     fn = "rloo_advantages"
     check_tensor(fn, "rewards", rewards, ndim=1)
     groups = _groups(fn, rewards, group_size, group_ids, min_size=2)
-    centered, n = _centered(groups, rewards)
+    centered, n, _, _ = _centered(groups, rewards)
     # r_i - (sum_j r_j - r_i) / (n - 1) == n / (n - 1) * (r_i - mean); n < 2 is always tied (0)
-    return groups.flat(centered * groups.expand(n / (n - 1).clamp(min=1))) + 0.0
+    return groups.flat(centered.mul_(groups.expand(n / (n - 1).clamp(min=1)))).add_(0.0)
 
 
 def _binomial_ratio(top: torch.Tensor, bottom: torch.Tensor, k: int) -> torch.Tensor:
@@ -515,7 +523,7 @@ def opo_advantages(
             f"{fn}: rewards has shape {shape_str(rewards)} but mask has shape {shape_str(mask)}; "
             f"expected ({mask.shape[0]},)"
         )
-    d, valid, _, tied = _deviations(groups, rewards)
+    d, valid, _, _, tied = _deviations(groups, rewards)
     lengths = groups.view(mask.sum(-1).float()) * valid
     total = groups.sum(lengths)
     b = groups.sum(lengths * d) / total.clamp(min=1)

@@ -38,6 +38,7 @@ __all__ = [
     "masked_sum",
     "masked_mean",
     "masked_var",
+    "pooled_var",
     "masked_whiten",
     "masked_min",
     "masked_max",
@@ -246,6 +247,67 @@ def masked_var(
     """
     _, _, var = _deviation_and_var("masked_var", values, mask, dim, unbiased, sum_over_ranks)
     return (var if dim is None else var.squeeze(dim)).float()
+
+
+def pooled_var(
+    counts: torch.Tensor,
+    means: torch.Tensor,
+    m2: torch.Tensor,
+    *,
+    unbiased: bool = True,
+    sum_over_ranks: SumOverRanks | None = None,
+) -> torch.Tensor:
+    """Variance of the union of parts, from each part's count, mean and squared deviations.
+
+    Part i holds ``n_i = counts_i`` values with mean ``mean_i`` and
+    ``M2_i = sum (value - mean_i)^2``; with ``n = sum_i n_i`` and
+    ``mean = sum_i n_i mean_i / n`` (each sum over ranks by ``sum_over_ranks``):
+    ``M2 = sum_i M2_i + sum_i n_i (mean_i - mean)^2`` (Chan et al.) and
+    ``pooled_var = M2 / (n - 1)`` (``/ n`` when ``unbiased=False``). The result equals
+    :func:`masked_var` of all the values, without another pass over them: callers that
+    already hold per-group statistics (the group estimators) get the batch variance from
+    [groups]-sized tensors.
+
+    Args:
+        counts: [P] (any shape) number of values of each part (float or int, >= 0).
+        means: mean of each part, the shape of ``counts``; any finite value where the
+            count is 0.
+        m2: sum of the squared deviations from its mean of each part, the shape of ``counts``.
+        unbiased: apply Bessel's correction.
+        sum_over_ranks: sums a tensor over every rank
+            (``torchforge.distributed.sum_over_ranks``): the variance of the parts of
+            every rank. None: this process only.
+
+    Returns:
+        float32 scalar; 0 when there are too few values (as :func:`masked_var`).
+
+    Example:
+        >>> import torch
+        >>> # parts [1, 3] and [5]: all values 1, 3, 5 have variance 4
+        >>> pooled_var(torch.tensor([2., 1.]), torch.tensor([2., 5.]), torch.tensor([2., 0.]))
+        tensor(4.)
+
+    Note:
+        The sums accumulate in float64 (the parts' statistics are few), in two passes
+        over the parts (the mean, then the deviations about it), so a constant offset
+        of every value does not change the result.
+    """
+    fn = "pooled_var"
+    _check_ranks(fn, None, sum_over_ranks)
+    for name, x in (("counts", counts), ("means", means), ("m2", m2)):
+        _check_not_batch(fn, name, x)
+        check_tensor(fn, name, x)
+    if not (counts.shape == means.shape == m2.shape):
+        raise ShapeError(
+            f"{fn}: counts, means and m2 have shapes {tuple(counts.shape)}, {tuple(means.shape)} and "
+            f"{tuple(m2.shape)}; expected one shape (one entry per part)"
+        )
+    n_i, mean_i = counts.double(), means.double()
+    n, total = _over_ranks(fn, sum_over_ranks, n_i.sum(), (n_i * mean_i).sum())
+    mean = total / n.clamp(min=1)
+    (m2_sum,) = _over_ranks(fn, sum_over_ranks, m2.double().sum() + (n_i * (mean_i - mean).square()).sum())
+    denominator = n - 1 if unbiased else n
+    return torch.where(denominator > 0, m2_sum.clamp(min=0) / denominator.clamp(min=1), 0.0).float()
 
 
 def masked_whiten(
