@@ -212,7 +212,7 @@ def test_normalizing_by_all_positions_fails():
     # Divides by B * T (padding included) instead of the counted tokens.
     def per_position_mean(lp, old, A, mask):
         A = A.unsqueeze(-1) if A.dim() == 1 else A
-        return torch.where(mask, -A * lp, 0.0).sum() / mask.numel()
+        return torch.where(mask, -A * lp, 0.0).sum() / mask.numel(), {}
 
     with pytest.raises(AssertionError, match="on-policy gradient"):
         check_policy_loss(per_position_mean, max_examples=10)
@@ -237,7 +237,7 @@ def test_multiplying_by_the_mask_leaks_nan():
     # The classic (x * mask).sum(): NaN * 0 is NaN.
     def times_mask(lp, old, A, mask):
         A = A.unsqueeze(-1) if A.dim() == 1 else A
-        return (-A * lp * mask).sum() / mask.sum().clamp(min=1)
+        return (-A * lp * mask).sum() / mask.sum().clamp(min=1), {}
 
     with pytest.raises(AssertionError, match="NaN at positions where mask is False leaks"):
         check_policy_loss(times_mask, max_examples=10)
@@ -246,7 +246,7 @@ def test_multiplying_by_the_mask_leaks_nan():
 def test_dividing_by_an_empty_count_fails():
     def unclamped(lp, old, A, mask):
         A = A.unsqueeze(-1) if A.dim() == 1 else A
-        return torch.where(mask, -A * lp, 0.0).sum() / mask.sum()
+        return torch.where(mask, -A * lp, 0.0).sum() / mask.sum(), {}
 
     with pytest.raises(AssertionError, match="(not finite|with an empty mask)"):
         check_policy_loss(unclamped, max_examples=10)
@@ -264,7 +264,16 @@ def test_loss_depending_on_padding_rows_fails_masked_equals_sliced():
 
 def test_loss_must_be_a_scalar():
     with pytest.raises(AssertionError, match="expected a float scalar tensor"):
-        check_policy_loss(lambda lp, old, A, mask: torch.where(mask, lp, 0.0), max_examples=5)
+        check_policy_loss(lambda lp, old, A, mask: (torch.where(mask, lp, 0.0), {}), max_examples=5)
+
+
+def test_a_loss_must_return_loss_and_metrics():
+    # One contract: every loss returns (loss, metrics); a bare loss is an error, not papered over.
+    def bare(lp, old, A, mask):
+        return reinforce_loss(lp, A, mask)[0]
+
+    with pytest.raises(AssertionError, match=r"fn returned Tensor .*expected \(loss, metrics\)"):
+        check_policy_loss(bare, max_examples=5)
 
 
 

@@ -32,7 +32,6 @@ from torchforge.testing.strategies import (
     _run,
     _same,
     _show,
-    _split_loss_output,
     _tie_value,
     batches,
     policy_pairs,
@@ -328,7 +327,7 @@ def check_policy_loss(
 ) -> None:
     """Check a policy loss ``fn(log_probs, old_log_probs, advantages, mask)``.
 
-    ``fn`` returns ``(loss, metrics)`` or the loss alone, a float scalar. Properties, on
+    ``fn`` returns ``(loss, metrics)``: a float scalar and a dict, as every loss does. Properties, on
     batches drawn by :func:`batches`:
 
     - on-policy gradient: with ``old_log_probs = log_probs.detach()`` (ratio 1), the
@@ -380,8 +379,15 @@ def check_policy_loss(
         """(loss, metrics, grad) of fn, with inputs cloned and checked for modification."""
         lp = lp0.detach().clone().requires_grad_(True)
         args = [old.clone(), A.clone(), mask.clone()]
-        loss, metrics = _split_loss_output(fn(lp, *args))
+        out = fn(lp, *args)
         inputs = _show(log_probs=lp0, old_log_probs=old, advantages=A, mask=mask)
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+            raise AssertionError(
+                f"{name}: fn returned {type(out).__name__}"
+                + (f" of {len(out)} items" if isinstance(out, tuple) else "")
+                + f" ({what}); expected (loss, metrics) with metrics a dict, as every torchforge loss returns"
+            )
+        loss, metrics = out
         for arg, original, arg_name in zip([lp] + args, [lp0, old, A, mask],
                                            ["log_probs", "old_log_probs", "advantages", "mask"]):
             if not _same(arg.detach(), original.detach()):
@@ -427,7 +433,7 @@ def check_policy_loss(
         # Empty mask: zero loss, zero gradient, finite metrics.
         empty = torch.zeros_like(mask)
         loss_e, metrics_e, grad_e, inputs_e = run(lp0, old, A, empty, "empty mask")
-        bad = [k for k, v in (metrics_e or {}).items() if isinstance(v, torch.Tensor) and not torch.isfinite(v).all()]
+        bad = [k for k, v in metrics_e.items() if isinstance(v, torch.Tensor) and not torch.isfinite(v).all()]
         if not (loss_e.abs() <= 1e-7 and (grad_e == 0).all() and not bad):
             raise AssertionError(
                 f"{name}: with an empty mask the loss should be 0 with zero gradient and finite metrics; "
@@ -440,7 +446,7 @@ def check_policy_loss(
             lp_n, old_n = lp0.masked_fill(~mask, math.nan), old.masked_fill(~mask, math.nan)
             A_n = A.masked_fill(~keep_A, math.nan)
             loss_n, metrics_n, grad_n, inputs_n = run(lp_n, old_n, A_n, mask, "NaN outside the mask")
-            bad = [k for k, v in (metrics_n or {}).items()
+            bad = [k for k, v in metrics_n.items()
                    if isinstance(v, torch.Tensor) and not torch.isfinite(v).all()]
             if not (_close(loss_n, loss, 1e-5, 1e-7) and _close(grad_n, grad, 1e-5, 1e-7) and not bad):
                 raise AssertionError(

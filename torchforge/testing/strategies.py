@@ -122,18 +122,6 @@ def _run(fn: str, prop, strategies: dict, max_examples: int, explicit: Sequence[
     test()
 
 
-def _split_loss_output(out):
-    """``(loss, metrics)`` or ``loss`` -> ``(loss, metrics or None)``."""
-    if isinstance(out, tuple):
-        if len(out) != 2 or not isinstance(out[1], dict):
-            raise AssertionError(
-                f"check_policy_loss: fn returned a tuple of {len(out)} items; expected (loss, metrics) "
-                "with metrics a dict, or the loss alone"
-            )
-        return out
-    return out, None
-
-
 def _grad(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """d loss / d x, zeros where ``loss`` does not depend on ``x`` (a constant loss)."""
     if not loss.requires_grad:
