@@ -22,6 +22,7 @@ from torchforge.batch import Batch
 from torchforge.errors import DTypeError, InvalidArgumentError, ShapeError
 from torchforge.kl import approx_kl
 from torchforge.losses import (
+    RATIO_LEVELS,
     cispo_loss,
     clip_cov_loss,
     gmpo_loss,
@@ -33,7 +34,15 @@ from torchforge.losses import (
     sapo_loss,
     value_loss,
 )
-from torchforge.reduce import AGGREGATION_MODES, Aggregation, aggregate
+from torchforge.reduce import (
+    AGGREGATION_MODES,
+    Aggregation,
+    aggregate,
+    masked_max,
+    masked_mean,
+    masked_min,
+    masked_sum,
+)
 from torchforge.testing import check_policy_loss
 
 SETTINGS = settings(max_examples=30, deadline=None)
@@ -600,6 +609,41 @@ def test_ratio_max_and_min_are_masked_extrema():
     assert m["ratio_max"].item() == pytest.approx(math.exp(0.5), rel=1e-6)   # 9.0 is masked
     assert m["ratio_min"].item() == pytest.approx(math.exp(-0.5), rel=1e-6)
     assert "ratio_max" in m and "ratio_min" in m
+
+
+@pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
+@pytest.mark.parametrize("per_token_advantages", [False, True])
+@pytest.mark.parametrize("shift", [0.3, -0.3])
+def test_metrics_equal_the_masked_reductions(ratio_level, per_token_advantages, shift):
+    # Every counted ratio on one side of 1 (a masked position, ratio 1 there, must win
+    # neither extremum), NaN where masked, a fully masked row, clipped tokens of both signs.
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(4, 7, generator=g) * 2
+    lp = old + shift + 0.4 * torch.rand(4, 7, generator=g) * (1 if shift > 0 else -1)
+    mask = torch.rand(4, 7, generator=g) > 0.3
+    mask[2] = False
+    A = torch.randn(4, 7, generator=g) if per_token_advantages else torch.tensor([1.0, -1.0, 2.0, -0.5])
+    lp, old = lp.masked_fill(~mask, float("nan")), old.masked_fill(~mask, float("nan"))
+    _, m = ppo_loss(lp, old, A, mask, ratio_level=ratio_level, dual_clip=1.2)
+
+    n = mask.sum()
+    lr = torch.where(mask, lp - old, 0.0)
+    ratio = policy_ratio(lp, old, mask, level=ratio_level)
+    token_ratio = torch.exp(lr)
+    A = A.unsqueeze(-1).expand(4, 7) if A.dim() == 1 else A
+    clipped = (((ratio < 0.8) & (A < 0)) | ((ratio > 1.2) & (A > 0))) & mask
+    expected = {
+        "clip_frac_low": masked_sum((clipped & (A < 0)).float(), mask) / n,
+        "clip_frac_high": masked_sum((clipped & (A > 0)).float(), mask) / n,
+        "dual_clip_frac": masked_sum(((ratio > 1.2) & (A < 0)).float(), mask) / n,
+        "approx_kl": masked_mean(token_ratio - 1 - lr, mask),
+        "ratio_mean": masked_mean(ratio, mask),
+        "ratio_min": masked_min(ratio, mask),
+        "ratio_max": masked_max(ratio, mask),
+    }
+    assert (expected["ratio_min"] > 1) if shift > 0 else (expected["ratio_max"] < 1)
+    for key, value in expected.items():
+        torch.testing.assert_close(m[key], value.float(), rtol=1e-6, atol=1e-7, msg=key)
 
 
 # --- the KL term of grpo_loss ------------------------------------------------------------
