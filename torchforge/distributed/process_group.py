@@ -93,7 +93,8 @@ def launch(
         master_port: a free port on node 0.
 
     Returns:
-        The launcher's exit status (0 when every process succeeded).
+        The launcher's exit status (0 when every process succeeded). Ctrl-C waits for
+        torchrun to stop its processes, then raises ``KeyboardInterrupt``.
 
     Example:
         >>> launch(2, ["train", "--config", "cfg.yaml"])  # doctest: +SKIP
@@ -122,7 +123,17 @@ def launch(
         cmd += [f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--master_addr={master_addr}",
                 f"--master_port={master_port}"]
     cmd += (["-m", module] if module else []) + list(args)
-    return subprocess.call(cmd)
+    process = subprocess.Popen(cmd)
+    interrupted = False
+    while True:
+        try:
+            code = process.wait()
+            break
+        except KeyboardInterrupt:  # Ctrl-C reached this process too: torchrun stops its workers; wait for it
+            interrupted = True
+    if interrupted:
+        raise KeyboardInterrupt
+    return code
 
 
 def teardown_distributed() -> None:

@@ -452,7 +452,7 @@ def _launch_settings(args: argparse.Namespace) -> dict[str, Any]:
     return dict(nproc=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=args.master_addr, master_port=port)
 
 
-def _summary_lines(trainer: Any, summary: dict[str, Any], start: int) -> str:
+def _summary_lines(trainer: Any, summary: dict[str, Any], start: int) -> tuple[str, float]:
     """The end-of-run summary, over every step of the run (metrics.jsonl), resumed or not."""
     from torchforge.trainer.tracking import read_metrics
 
@@ -513,9 +513,16 @@ def _train(args: argparse.Namespace) -> int:
         forwarded = ["train", *(["--config", args.config] if args.config else []),
                      *(["--resume"] if args.resume else []), *(["--debug"] if args.debug else []),
                      *args.overrides]  # --overwrite is done: the processes must not redo it
-        return launch(launch_settings["nproc"], forwarded, nnodes=launch_settings["nnodes"],
-                      node_rank=launch_settings["node_rank"], master_addr=launch_settings["master_addr"],
-                      master_port=launch_settings["master_port"])
+        try:
+            return launch(launch_settings["nproc"], forwarded, nnodes=launch_settings["nnodes"],
+                          node_rank=launch_settings["node_rank"], master_addr=launch_settings["master_addr"],
+                          master_port=launch_settings["master_port"])
+        except KeyboardInterrupt:
+            from torchforge.trainer.tracking import read_metrics
+
+            metrics = Path(output_dir) / "metrics.jsonl"
+            step = read_metrics(output_dir)[-1]["step"] if metrics.exists() and metrics.read_text().strip() else 0
+            raise RunInterrupted(step, last_checkpoint_step(output_dir)) from None
 
     trainer = None
     try:
@@ -621,6 +628,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except RunInterrupted as stop:
         print(str(stop), file=sys.stderr)
+        return _INTERRUPTED
+    except KeyboardInterrupt:  # before the run started
+        print("stopped before the first step", file=sys.stderr)
         return _INTERRUPTED
     except TorchforgeError as error:
         if args.debug:
