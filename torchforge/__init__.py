@@ -105,7 +105,7 @@ _LAZY = {
         "rollout", "decode_completions", "completion_mask", "policy_log_probs", "ValueModel",
         "accumulate_gradients", "optimizer_step", "micro_batches",
         "RewardFunction", "RewardError", "score_rewards",
-        "rollout_episodes", "Environment", "StepResult",
+        "rollout_episodes", "Environment", "StepResult", "evaluate", "pass_at_k",
     ], "torchforge.loop"),
 }
 
@@ -140,6 +140,8 @@ __all__ = [
     "accumulate_gradients",
     "optimizer_step",
     "rollout_episodes",
+    "evaluate",
+    "pass_at_k",
     "Environment",
     "StepResult",
     # rewards
