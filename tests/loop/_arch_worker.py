@@ -69,6 +69,8 @@ def _config(name: str):
         c["num_key_value_heads"] = 4
         return tr.MiniCPM3Config(**c, dim_model_base=8, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
                                  qk_rope_head_dim=4, v_head_dim=8), tr.MiniCPM3ForCausalLM
+    if name == "hyperclovax":  # logits * logits_scaling (Granite divides by it)
+        return tr.HyperCLOVAXConfig(**c, logits_scaling=0.25), tr.HyperCLOVAXForCausalLM
     if name == "gemma3-multimodal":  # Gemma3ForConditionalGeneration: the cap is in its text config
         text = tr.Gemma3TextConfig(**c, head_dim=8, final_logit_softcapping=30.0)
         vision = tr.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -80,7 +82,7 @@ def _config(name: str):
 
 
 ARCHITECTURES = ("llama", "llama-tied", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "gpt2",
-                 "gemma2", "gemma3", "granite", "cohere", "cohere2", "falcon_h1", "minicpm3", "gemma3-multimodal")
+                 "gemma2", "gemma3", "granite", "cohere", "cohere2", "falcon_h1", "minicpm3", "hyperclovax", "gemma3-multimodal")
 
 
 def build(name: str, seed: int = 0):

@@ -31,6 +31,7 @@ EXPECTED_TRANSFORMS = {
     "cohere": (0.25, None), "cohere2": (0.25, None),  # logits * logit_scale
     "falcon_h1": (0.5, None),  # logits * lm_head_multiplier
     "minicpm3": (0.25, None),  # lm_head(hidden / (hidden_size / dim_model_base))
+    "hyperclovax": (0.25, None),  # logits * logits_scaling
     "gemma3-multimodal": (None, 30.0),  # read from the text config (the forward skips it: see below)
 }
 
