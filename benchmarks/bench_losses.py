@@ -390,8 +390,8 @@ def main():
         ("torchforge computes all its metrics inside the timed region (PPO: clip fractions low / "
          "high, k3 approx KL, ratio mean / min / max; GRPO: those and the mean KL); `minimal` "
          "computes the loss only; the peers compute their own metrics as their libraries do. "
-         "`before` is the previous losses.py (hand-written backward, a separate path under "
-         "torch.compile) when the run was given `--before`."),
+         "`before` (when the run was given `--before DIR`) is an older losses.py, "
+         "`DIR/old_losses.py`, timed in the same process."),
         "",
         (f"Run: `python benchmarks/bench_losses.py{' --threads ' + str(args.threads) if args.threads else ''}"
          f"{' --before DIR' if args.before else ''}`."),
