@@ -78,11 +78,12 @@ def test_log_probs_entropy_and_gradients_equal_the_models_own(name):
         if name == "gemma3-multimodal":
             warnings.simplefilter("ignore")  # see test_gemma3_multimodal_skips_the_cap
         log_probs, entropy = policy_log_probs(model, batch, temperature=temperature, return_entropy=True)
-    (log_probs * weights).sum().backward()
+    entropy_weights = weights.flip(0)
+    (log_probs * weights + entropy * entropy_weights).sum().backward()  # an entropy bonus too
     fused_grads = {n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     expected, expected_entropy, logits = _model_log_probs(model, batch, temperature)
-    (expected * weights).sum().backward()
+    (expected * weights + expected_entropy * entropy_weights).sum().backward()
 
     assert 20 <= float(logits.detach().abs().max()) <= 80, "the logits must reach realistic magnitudes"
     torch.testing.assert_close(log_probs, expected, rtol=1e-4, atol=1e-4)
@@ -140,12 +141,12 @@ def test_custom_head_falls_back_to_the_head_module_with_one_warning():
     with pytest.warns(RuntimeWarning, match=r"LlamaForCausalLM .*its head is a ScaledHead.*through its head module"):
         log_probs, entropy = policy_log_probs(model, batch, return_entropy=True, chunk_size=3)
     assert policy_module._PATHS[model][0] == "head"
-    (log_probs * weights).sum().backward()
+    (log_probs * weights + entropy * weights.flip(0)).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     expected, expected_entropy, logits = _model_log_probs(model, batch)
     assert float(logits.detach().abs().max()) >= 20
-    (expected * weights).sum().backward()
+    (expected * weights + expected_entropy * weights.flip(0)).sum().backward()
     torch.testing.assert_close(log_probs, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(entropy, expected_entropy.detach(), rtol=1e-4, atol=1e-4)
     _assert_grads_close(model, grads, "custom head")

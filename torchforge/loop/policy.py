@@ -161,8 +161,9 @@ def _head_log_probs(head, hidden, tokens, *, temperature, logit_scale, softcap, 
         z = _transformed(head(h).float(), logit_scale, softcap) / temperature
         log_p = torch.log_softmax(z, dim=-1)
         log_probs = log_p.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-        with torch.no_grad():
-            entropy = torch.special.entr(log_p.exp()).sum(-1)
+        # -sum p log p, with grad (an entropy bonus backpropagates through it); the clamp
+        # keeps 0 * log 0 = 0 and its gradient finite at a -inf logit
+        entropy = -(log_p.exp() * log_p.clamp(min=torch.finfo(log_p.dtype).min)).sum(-1)
         return log_probs, entropy
 
     weight = getattr(head, "weight", None)
