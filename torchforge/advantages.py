@@ -102,13 +102,16 @@ class _Groups:
         if self.index is None:  # a matmul with ones: on CPU much faster than sum(1) over small G
             ones = x.new_ones(self.size, 1)
             return x @ ones if x.dim() == 2 else torch.matmul(ones.t(), x)
-        return x.new_zeros(self.count, *x.shape[1:]).index_add_(0, self.index, x)
+        # scatter_add_, not index_add_: on CPU about 1.5x faster for [B] sums
+        return x.new_zeros(self.count, *x.shape[1:]).scatter_add_(0, self._index_like(x), x)
+
+    def _index_like(self, x: torch.Tensor) -> torch.Tensor:
+        return self.index.view(-1, *([1] * (x.dim() - 1))).expand_as(x)
 
     def _extreme(self, x: torch.Tensor, reduce: str, start: float) -> torch.Tensor:
         if self.index is None:
             return x.amin(1, keepdim=True) if reduce == "amin" else x.amax(1, keepdim=True)
-        index = self.index.view(-1, *([1] * (x.dim() - 1))).expand_as(x)
-        return x.new_full((self.count, *x.shape[1:]), start).scatter_reduce_(0, index, x, reduce)
+        return x.new_full((self.count, *x.shape[1:]), start).scatter_reduce_(0, self._index_like(x), x, reduce)
 
     def amin(self, x: torch.Tensor) -> torch.Tensor:
         return self._extreme(x, "amin", math.inf)
@@ -180,13 +183,22 @@ def _deviations(groups: _Groups, rewards: torch.Tensor):
     CPU several times faster for these shapes. A non-finite reward is +inf in ``r_inf``, so
     ``r_inf - low`` is +inf exactly there and one ``nan_to_num`` zeroes it.
     """
+    d, valid, d_sum, low = _shifted(groups, rewards)
+    return d, valid, d_sum, low, ~(d_sum > 0)
+
+
+def _shifted(groups: _Groups, rewards: torch.Tensor):
+    """:func:`_deviations` without ``tied`` (the group estimators need no tie flag: a tied
+    group's deviations are exactly 0 already)."""
     r = groups.view(rewards.to(torch.promote_types(rewards.dtype, torch.float32)))
     r_inf = torch.nan_to_num(r, nan=math.inf, posinf=math.inf, neginf=math.inf)
-    low = torch.nan_to_num(groups.amin(r_inf), posinf=0.0)  # +inf: a group with no finite reward
-    valid = torch.nan_to_num(r * 0.0 + 1.0, nan=0.0)  # 1 where finite (inf * 0 is NaN too)
-    d = torch.nan_to_num(r_inf - groups.expand(low), posinf=0.0)
+    # low and valid carry no gradient (low cancels in r - mean_g, valid is piecewise constant),
+    # so the fresh tensors below may be updated in place even when rewards require grad
+    low = torch.nan_to_num(groups.amin(r_inf.detach()), posinf=0.0)  # +inf: a group with no finite reward
+    valid = (r.detach() * 0.0).add_(1.0).nan_to_num_(nan=0.0)  # 1 where finite (inf * 0 is NaN too)
+    d = (r_inf - groups.expand(low)).nan_to_num_(posinf=0.0)
     d_sum = groups.sum(d)
-    return d.float(), valid.float(), d_sum.float(), low, ~(d_sum > 0)
+    return d.float(), valid.float(), d_sum.float(), low
 
 
 def _centered(groups: _Groups, rewards: torch.Tensor):
@@ -197,10 +209,10 @@ def _centered(groups: _Groups, rewards: torch.Tensor):
     A tied group is exactly 0: its deviations ``r - min_g r`` are all exactly 0, and so is
     their mean. Every factor applied to ``centered`` is finite, so it stays 0.
     """
-    d, valid, d_sum, low, _ = _deviations(groups, rewards)
+    d, valid, d_sum, low = _shifted(groups, rewards)
     n = groups.sum(valid)
     mean_d = d_sum / n.clamp(min=1)
-    return (d - groups.expand(mean_d)).mul_(valid), n, low, mean_d
+    return d.sub_(groups.expand(mean_d)).mul_(valid), n, low, mean_d
 
 
 def _batch_std(values: torch.Tensor, mask: torch.Tensor, sum_over_ranks) -> torch.Tensor:
