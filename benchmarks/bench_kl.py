@@ -15,11 +15,19 @@ tensor. Writes benchmarks/results/kl.md.
 
     python benchmarks/bench_kl.py            # N=2048, V in {32000, 128256}
     python benchmarks/bench_kl.py --quick    # N=1024, V=32000
+
+``--approx`` times the per-token sample estimator instead (time only, [B, T] = [256, 4096]
+float32 log-probs, forward + backward of the masked mean, interleaved medians): torchforge's
+``approx_kl`` k3 (default: continued along its tangent beyond ref / pi = 2; and exact,
+``max_ratio=inf``), verl's ``low_var_kl`` (log-ratio clamped at +-20, value at +-10) and
+TRL's k3, each a re-implementation of the published per-token formula. Writes
+benchmarks/results/kl_approx.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -30,7 +38,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from torchforge.kl import exact_kl
+from torchforge.kl import approx_kl, exact_kl
 
 
 def naive(logits, ref_logits):
@@ -125,8 +133,65 @@ def peak_memory(name, n, v, dtype, backward, device):
     return int(out.stdout.strip().splitlines()[-1])
 
 
+def _verl_low_var_kl(lp, ref):
+    kl = torch.clamp(ref - lp, min=-20, max=20)
+    return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+
+
+def _trl_k3(lp, ref):
+    return torch.exp(ref - lp) - (ref - lp) - 1
+
+
+APPROX = {
+    "approx_kl k3": lambda lp, ref: approx_kl(lp, ref),
+    "approx_kl k3, max_ratio=inf": lambda lp, ref: approx_kl(lp, ref, max_ratio=math.inf),
+    "verl low_var_kl": _verl_low_var_kl,
+    "TRL k3": _trl_k3,
+}
+
+
+def approx_section(repeats: int, device: str) -> list[str]:
+    """Time the per-token KL estimators, forward + backward of the masked mean."""
+    B, T = 256, 4096
+    g = torch.Generator().manual_seed(0)
+    ref = (-torch.rand(B, T, generator=g) * 3).to(device)
+    lp0 = (ref + 0.3 * torch.randn(B, T, generator=g).to(device))
+    maskf = (torch.rand(B, T, generator=g) < 0.6).float().to(device)
+    times = {name: [] for name in APPROX}
+
+    def once(fn):
+        lp = lp0.clone().requires_grad_()
+        _sync(device)
+        start = time.perf_counter()
+        ((fn(lp, ref) * maskf).sum() / maskf.sum()).backward()
+        _sync(device)
+        return time.perf_counter() - start
+    for fn in APPROX.values():  # warm-up
+        once(fn)
+    for _ in range(repeats):
+        for name, fn in APPROX.items():  # interleaved
+            times[name].append(once(fn))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    lines = [
+        "## approx_kl: per-token KL estimators (benchmarks/bench_kl.py --approx)",
+        "",
+        (f"Device {device}, {torch.get_num_threads()} threads, torch {torch.__version__}. [B, T] = [{B}, {T}] "
+         f"float32, forward + backward of the masked mean; median of {repeats} interleaved runs; "
+         "time only (the variants differ in value where ref / pi > 2, by design)."),
+        "",
+        "| estimator | median ms | x approx_kl k3 |",
+        "| --- | ---: | ---: |",
+    ]
+    for name, t in med.items():
+        lines.append(f"| {name} | {1e3 * t:.2f} | {t / med['approx_kl k3']:.2f} |")
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--approx", action="store_true",
+                        help="time approx_kl against verl's and TRL's per-token k3 instead")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="N=1024, V=32000, 3 repeats")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--memory-child", nargs=5, help=argparse.SUPPRESS)
@@ -134,6 +199,17 @@ def main():
     if args.memory_child:
         name, n, v, dtype, backward = args.memory_child
         measure_memory_here(name, int(n), int(v), dtype, bool(int(backward)))
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.approx:
+        lines = approx_section(args.repeats or 21, "cuda" if torch.cuda.is_available() else "cpu")
+        print("\n".join(lines))
+        path = os.path.join(os.path.dirname(__file__), "results", "kl_approx.md")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        print(f"wrote {path}")
         return
 
     n = 1024 if args.quick else 2048
