@@ -303,6 +303,9 @@ def group_advantages(
         ``multi_objective_aggregation="normalize_then_sum"`` (group std + eps, weighted
         ``nansum``, batch std + eps), except that TRL also subtracts the batch mean of ``s``
         (0 up to rounding), which leaves a residue of ~1e-7 on all-tied groups.
+        ``std_batch`` of [B] rewards is pooled from the groups' counts, means and squared
+        deviations (:func:`torchforge.reduce.pooled_var`), equal to ``masked_var`` of all
+        finite rewards without another pass over them.
         ``group_ids`` in [0, B) index a table directly; other ids are first made dense
         with ``torch.unique`` (a sort). With ``group_ids`` the function synchronizes with
         the device once and does not compile with ``fullgraph=True``.

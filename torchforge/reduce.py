@@ -2,7 +2,7 @@
 micro-batches and ranks.
 
 All maths is float32 whatever the input dtype (the statistics of ``masked_var`` and
-``masked_whiten`` are accumulated in float64), positions where ``mask`` is False never
+``masked_whiten`` sum centred values, and combine their few scalar sums in float64), positions where ``mask`` is False never
 reach the result (a NaN there does not leak), and an empty mask gives a finite value
 (0, or the documented ``fill``), never NaN.
 
@@ -173,38 +173,35 @@ def _deviation_and_var(
     unbiased: bool,
     sum_over_ranks: SumOverRanks | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``values - mean`` (float32, 0 where masked), ``mean`` and ``var`` (float64), in two passes.
+    """``values - mean`` (float32, any value where masked), ``mean`` and ``var`` (float64), in two passes.
 
-    Pass 1 sums the count and the values; pass 2 the deviations ``d`` about the mean of
-    pass 1 and their squares, and ``M2 = sum d^2 - (sum d)^2 / n`` (the corrected two-pass
-    algorithm: the second term removes the rounding of the mean). Every sum goes through
-    ``sum_over_ranks`` and accumulates in float64; the [B, T] tensors stay float32, with
-    the float64 mean subtracted as two float32 parts (``mean_hi + mean_lo``), so rewards
-    offset by 1e4 keep float32 precision in their deviations.
+    Pass 1 sums the count and the values; pass 2 the deviations ``d = values - shift``
+    about ``shift``, the float32 mean of pass 1, and their squares, and
+    ``M2 = sum d^2 - (sum d)^2 / n`` (the corrected two-pass algorithm: the second term
+    removes the rounding of the shift) and ``mean = shift + sum d / n``. The [B, T] tensors
+    and their sums stay float32: the values are centred before they are squared and summed,
+    so an offset (rewards near 1e4) costs no precision; the few scalar sums combine (and
+    go through ``sum_over_ranks``) in float64. The deviation from the float64 mean is
+    ``d - (mean - shift)``.
     """
     _check_ranks(fn, dim, sum_over_ranks)
     x = _masked(fn, values, mask)
-    count, total = _over_ranks(fn, sum_over_ranks, _sum(mask, dim, keepdim=True),
-                               _sum64(x, dim))
-    mean = total / count.clamp(min=1)
-    mean_hi = mean.float()
-    mean_lo = (mean - mean_hi.double()).float()
+    count, total = _over_ranks(fn, sum_over_ranks, _sum(mask, dim, keepdim=True), _sum(x, dim, keepdim=True))
+    shift = (total / count.clamp(min=1)).float().detach()
     # d M2 / d mean = -2 sum (x - mean) = 0 over the whole batch, so the mean is a constant
     # in M2: the gradient is then exact on every rank, whose share of M2 alone would not be.
-    fixed = torch.where(mask, (x - mean_hi.detach()) - mean_lo.detach(), 0.0)
-    squared, first = _over_ranks(fn, sum_over_ranks, _sum64(fixed**2, dim), _sum64(fixed, dim))
+    d = torch.where(mask, x - shift, 0.0)
+    squared, first = _over_ranks(fn, sum_over_ranks, _sum(d.square(), dim, keepdim=True), _sum(d, dim, keepdim=True))
+    squared, first, count = squared.double(), first.double(), count.double()
     m2 = (squared - first**2 / count.clamp(min=1)).clamp(min=0)
     denominator = count - 1 if unbiased else count
     var = torch.where(denominator > 0, m2 / denominator.clamp(min=1), 0.0)
-    deviation = fixed
+    correction = first / count.clamp(min=1)  # mean - shift
+    mean = shift.double() + correction
+    deviation = d - correction.float().detach()
     if torch.is_grad_enabled() and x.requires_grad:  # the gradient through the mean
-        deviation = torch.where(mask, fixed - (mean - mean.detach()).float(), 0.0)
+        deviation = deviation - (mean - mean.detach()).float()
     return deviation, mean, var
-
-
-def _sum64(x: torch.Tensor, dim: int | None) -> torch.Tensor:
-    """Sum accumulated in float64 (no float64 copy of ``x``), keeping ``dim``."""
-    return x.sum(dtype=torch.float64) if dim is None else x.sum(dim, keepdim=True, dtype=torch.float64)
 
 
 def masked_var(
@@ -236,9 +233,10 @@ def masked_var(
     Note:
         With fewer counted positions than the correction needs (n <= 1 unbiased, n = 0
         biased) the variance is returned as 0 rather than NaN or an error (TRL's
-        ``masked_var`` raises): one sample has no spread. The sums accumulate in
-        float64 over two passes (mean, then deviations), so a constant offset (rewards
-        near 1e4) does not change the result.
+        ``masked_var`` raises): one sample has no spread. Two passes (the mean, then
+        the deviations about it, squared and summed in float32 once centred; the scalar
+        sums combined in float64), so a constant offset (rewards near 1e4) does not
+        change the result.
 
     Example:
         >>> import torch
