@@ -92,6 +92,55 @@ def test_model_only_and_no_rng(tmp_path):
     assert _max_diff(W.params_of(other), W.params_of(model)) == 0.0
 
 
+def _half_frozen(seed: int = 0):
+    """A tiny Llama whose embeddings and MLPs are frozen, one AdamW step taken on the rest."""
+    model = W.tiny_llama(seed)
+    for name, param in model.named_parameters():
+        param.requires_grad_(not ("embed" in name or "mlp" in name))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    W.train_step(model, optimizer, W.global_batch(), "token-mean", micro=None)
+    return model, optimizer
+
+
+def test_trainable_only_holds_and_restores_only_the_trainable_parameters(tmp_path):
+    from torchforge.distributed.checkpoint import _read_metadata
+
+    model, optimizer = _half_frozen()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert trainable and frozen
+    save_checkpoint(tmp_path / "ck", model=model, optimizer=optimizer, extra={"step": 1}, trainable_only=True)
+    saved = {k.removeprefix("model.") for k in _read_metadata(tmp_path / "ck" / "dcp" / ".metadata").state_dict_metadata
+             if k.startswith("model.")}
+    assert saved == trainable  # the frozen weights are not in the checkpoint
+    full = tmp_path / "full"
+    save_checkpoint(full, model=model, optimizer=optimizer)
+    size = {p: sum(f.stat().st_size for f in (p / "dcp").iterdir()) for p in (tmp_path / "ck", full)}
+    assert size[tmp_path / "ck"] < size[full]
+
+    # a model with the same frozen weights and other trainable ones gets back exactly the saved state
+    other, other_optimizer = _half_frozen(seed=0)
+    with torch.no_grad():
+        for name, param in other.named_parameters():
+            if param.requires_grad:
+                param.add_(1.0)
+    frozen_before = {n: p.detach().clone() for n, p in other.named_parameters() if n in frozen}
+    extra = load_checkpoint(tmp_path / "ck", model=other, optimizer=other_optimizer, restore_rng=False,
+                            trainable_only=True)
+    assert extra == {"step": 1}
+    assert _max_diff(W.params_of(other), W.params_of(model)) == 0.0
+    for name, param in other.named_parameters():
+        if name in frozen:
+            assert torch.equal(param, frozen_before[name]), name
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        if p.requires_grad:
+            assert torch.equal(optimizer.state[p]["exp_avg_sq"], other_optimizer.state[q]["exp_avg_sq"]), name
+    # a full checkpoint's trainable entries load the same way; the adapters-only one needs the keyword
+    load_checkpoint(full, model=other, optimizer=other_optimizer, restore_rng=False, trainable_only=True)
+    with pytest.raises(TorchforgeError, match=r"holds only the trainable parameters .*trainable_only=True"):
+        load_checkpoint(tmp_path / "ck", model=other, optimizer=other_optimizer, restore_rng=False)
+
+
 def test_rng_state_round_trip():
     state = rng_state()
     a, b, c = torch.rand(2), random.random(), np.random.rand()

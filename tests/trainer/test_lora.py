@@ -143,6 +143,81 @@ def test_resume_is_exact(trained, tmp_path):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-7, msg=name)
 
 
+def _saved_keys(checkpoint):
+    from torchforge.distributed.checkpoint import _read_metadata
+
+    return set(_read_metadata(Path(checkpoint) / "dcp" / ".metadata").state_dict_metadata)
+
+
+def _dcp_bytes(checkpoint):
+    return sum(f.stat().st_size for f in (Path(checkpoint) / "dcp").iterdir())
+
+
+def test_checkpoints_hold_only_the_adapters(trained):
+    from torchforge.distributed.checkpoint import load_checkpoint
+
+    trainer, _, _, _ = trained
+    checkpoint = trainer.output_dir / "checkpoints" / "step-000003"
+    model_keys = {k for k in _saved_keys(checkpoint) if k.startswith("model.")}
+    trainable = {"model.policy." + n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert model_keys == trainable  # no base weight; buffers: the demo Llama has no persistent one
+    optimizer_keys = {k.split(".", 2)[2] for k in _saved_keys(checkpoint) if k.startswith("optimizer.state.")}
+    assert {k.rsplit(".", 1)[0] for k in optimizer_keys} == {k.removeprefix("model.") for k in trainable}
+    with pytest.raises(Exception, match="holds only the trainable parameters"):
+        load_checkpoint(checkpoint, model=trainer.modules, restore_rng=False)
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory):
+    """3 PPO + LoRA steps (checkpoint each), and the parameters they started from."""
+    from torchforge import RLTrainer
+
+    out = tmp_path_factory.mktemp("ppo_lora")
+    trainer = RLTrainer(config=_config(out / "run", algorithm="ppo", save_steps=1))
+    initial = {n: p.detach().clone() for n, p in trainer.modules.named_parameters()}
+    trainer.train()
+    return trainer, initial
+
+
+def test_ppo_with_lora_trains_the_adapters_and_the_value_head_only(ppo_run):
+    trainer, initial = ppo_run
+    critic = trainer.algorithm.critic
+    assert critic is trainer.modules["critic"] and critic.decoder is not trainer.model.get_base_model().model
+    names = {id(p): n for n, p in trainer.modules.named_parameters()}
+    in_optimizer = {names[id(p)] for group in trainer.optimizer.param_groups for p in group["params"]}
+    expected = {n for n in names.values() if "lora_A." in n or "lora_B." in n} | {"critic.head.weight", "critic.head.bias"}
+    assert in_optimizer == expected
+    assert any(n.startswith("critic.decoder.") for n in expected) and any(n.startswith("policy.") for n in expected)
+    for name, param in trainer.modules.named_parameters():
+        changed = not torch.equal(param, initial[name])
+        if "lora_A." in name:  # A moves once B has (B starts at 0: A's first gradient is 0)
+            continue
+        assert changed == (name in expected), name
+    # the critic's base is the model's base: frozen, and equal to the policy's
+    policy_base = dict(trainer.model.get_base_model().model.named_parameters())
+    for name, param in critic.decoder.named_parameters():
+        if "lora_" not in name:
+            torch.testing.assert_close(param, policy_base[name], rtol=0, atol=0, msg=name)
+    checkpoint = trainer.output_dir / "checkpoints" / "step-000003"
+    assert {k for k in _saved_keys(checkpoint) if k.startswith("model.")} == {"model." + n for n in expected}
+
+
+def test_ppo_with_lora_resumes_exactly(ppo_run, tmp_path):
+    from torchforge import RLTrainer
+
+    trainer, _ = ppo_run
+    run = tmp_path / "resumed"
+    RLTrainer(config=_config(run, algorithm="ppo", max_steps=2, save_steps=1)).train()
+    resumed = RLTrainer(config=_config(run, algorithm="ppo", max_steps=3, resume=True))
+    resumed.train()
+    one, two = _history(trainer.output_dir), _history(run)
+    assert [r["step"] for r in two] == [1, 2, 3]
+    for key in ("loss", "reward", "kl", "grad_norm", "value_loss"):
+        assert two[2][key] == pytest.approx(one[2][key], rel=1e-6, abs=1e-9), key
+    for (name, a), b in zip(trainer.modules.named_parameters(), resumed.modules.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-7, msg=name)
+
+
 def test_peft_config_object_and_errors(tmp_path):
     from peft import LoraConfig
 
@@ -158,21 +233,29 @@ def test_peft_config_object_and_errors(tmp_path):
 
 # --- 2 processes ---------------------------------------------------------------------------------
 
-def _run(out, strategy):
+def _run(out, strategy, *, interrupted=False):
+    """2 steps; ``interrupted``: 1 step, then a second run resumes its (adapters-only) checkpoint."""
     from torchforge import RLTrainer
 
-    return RLTrainer(config=_config(out, distributed_strategy=strategy, max_steps=2)).train()
+    if interrupted:
+        RLTrainer(config=_config(out, distributed_strategy=strategy, max_steps=1)).train()
+    return RLTrainer(config=_config(out, distributed_strategy=strategy, max_steps=2, resume=interrupted)).train()
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_lora_on_two_processes_matches_one(tmp_path, strategy):
+def test_lora_on_two_processes_resumed_matches_one(tmp_path, strategy):
     from peft import PeftModel
 
     from torchforge.distributed import launch
     from torchforge.trainer import demo
 
     _run(tmp_path / "one", strategy)
+    # the 2-process run is interrupted after step 1 and resumed from its adapters-only checkpoint
     assert launch(2, [__file__, str(tmp_path / "two"), strategy], module=None) == 0
+    assert {k.split(".")[1] for k in _saved_keys(tmp_path / "two" / "checkpoints" / "step-000001")
+            if k.startswith("model.")} == {"policy"}
+    assert all("lora_" in k for k in _saved_keys(tmp_path / "two" / "checkpoints" / "step-000001")
+               if k.startswith("model."))
     one, two = _history(tmp_path / "one"), _history(tmp_path / "two")
     assert [r["step"] for r in two] == [1, 2]
     for a, b in zip(one, two):
@@ -193,7 +276,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     assert init_distributed()
     try:
-        _run(Path(sys.argv[1]), sys.argv[2])
+        _run(Path(sys.argv[1]), sys.argv[2], interrupted=True)
     finally:
         teardown_distributed()
 

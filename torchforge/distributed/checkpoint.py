@@ -341,6 +341,11 @@ def _state_dicts(model: nn.Module, optimizer, options: StateDictOptions | None =
     return {"model": model_sd, "optimizer": optim_sd}
 
 
+def _options(trainable_only: bool) -> StateDictOptions | None:
+    """Only the parameters that require grad (and buffers), loaded without the frozen ones."""
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
+
+
 def _staging(path: Path) -> Path:
     return path.parent / f".{path.name}{_INCOMPLETE}"
 
@@ -352,6 +357,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     extra: dict[str, Any] | None = None,
+    trainable_only: bool = False,
 ) -> None:
     """Save model, optimizer, scheduler, ``extra`` and RNG states to the folder ``path``, atomically.
 
@@ -373,6 +379,11 @@ def save_checkpoint(
             strings, lists, dicts), as every torch LR scheduler's is.
         extra: small JSON-like dict (step, data position, ...): str keys; values dicts,
             lists, tuples, str, int, float, bool, None. May differ per rank.
+        trainable_only: save only the parameters that require grad (and the buffers),
+            with their optimizer state: a LoRA run's adapters, not its frozen base weights
+            (``StateDictOptions(ignore_frozen_params=True)``). Load it with
+            ``load_checkpoint(..., trainable_only=True)`` into a model whose frozen
+            weights are already those of the run.
 
     Returns:
         None.
@@ -417,7 +428,7 @@ def save_checkpoint(
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
     barrier()
-    state = _state_dicts(model, optimizer)
+    state = _state_dicts(model, optimizer, _options(trainable_only))
     with _single_process_quiet():
         dcp.save(state, checkpoint_id=str(staging / _DCP_DIR), no_dist=not is_distributed())
     torch.save(
@@ -428,6 +439,7 @@ def save_checkpoint(
             "rng": rng_state(),
             "world_size": world_size(),
             "has_optimizer": optimizer is not None,
+            "trainable_only": trainable_only,
         },
         _rank_file(staging, rank()),
     )
@@ -500,6 +512,7 @@ def load_checkpoint(
     scheduler: Any = None,
     restore_rng: bool = True,
     trust_pickled_files: bool = False,
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
     """Load a checkpoint saved by :func:`save_checkpoint` into ``model`` (and the rest), in place.
 
@@ -519,6 +532,10 @@ def load_checkpoint(
             which can run code from them. Only for checkpoints you wrote yourself with
             torchforge before checkpoint format 2 (whose RNG states were pickled objects);
             the model and optimizer are read as data either way.
+        trainable_only: load only the parameters of ``model`` that require grad (and the
+            buffers) with their optimizer state, leaving its frozen weights as they are:
+            for checkpoints saved with ``save_checkpoint(..., trainable_only=True)``
+            (also reads the same entries of a full checkpoint).
 
     Returns:
         ``extra`` as saved by this rank (by rank 0 if this rank did not exist when saving).
@@ -561,12 +578,20 @@ def load_checkpoint(
         raise TorchforgeError(
             f"load_checkpoint: path={str(path)!r} was saved without an optimizer; pass optimizer=None"
         )
-    state = _state_dicts(model, optimizer)
+    if saved.get("trainable_only", False) and not trainable_only:
+        raise TorchforgeError(
+            f"load_checkpoint: path={str(path)!r} holds only the trainable parameters (saved with "
+            "trainable_only=True, e.g. a LoRA run's adapters); load it with trainable_only=True into a "
+            "model whose frozen weights are those of the run"
+        )
+    options = _options(trainable_only)
+    state = _state_dicts(model, optimizer, options)
     _dcp_load(state, path / _DCP_DIR)
     if optimizer is None:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=options)
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=options)
 
     if scheduler is not None:
         if saved["scheduler"] is None:

@@ -6,11 +6,14 @@
 
 Only the adapter weights train (the optimizer holds nothing else). The KL reference is the
 policy with its adapters disabled (peft's ``disable_adapter()`` context), so a run with a KL
-penalty keeps one copy of the base weights instead of a second, frozen one. Checkpoints hold
-the whole model (adapters included) and the optimizer's adapter state, so a run resumes
-exactly; the final folder is a peft adapter folder (``PeftModel.from_pretrained`` /
-``AutoPeftModelForCausalLM`` / ``torchforge eval --model``), and ``merge: true`` also writes
-the merged full weights to ``final-merged``.
+penalty keeps one copy of the base weights instead of a second, frozen one. PPO's critic
+(a copy of the decoder with a value head) gets its own adapters and only they and the head
+train (:func:`apply_lora_to_module`). Checkpoints hold only what trains (the adapters, the
+critic's head) and its optimizer state, with the step, scheduler and RNG states
+(``save_checkpoint(..., trainable_only=True)``): resuming rebuilds the base weights from the
+model the run was started with, then loads them, exactly. The final folder is a peft
+adapter folder (``PeftModel.from_pretrained`` / ``AutoPeftModelForCausalLM`` / ``torchforge
+eval --model``), and ``merge: true`` also writes the merged full weights to ``final-merged``.
 
 peft is the optional extra ``torchforge[lora]``.
 
@@ -35,6 +38,7 @@ __all__ = [
     "LORA_DEFAULTS",
     "adapters_disabled",
     "apply_lora",
+    "apply_lora_to_module",
     "check_lora_settings",
     "export_merged",
     "is_adapter_folder",
@@ -198,6 +202,52 @@ def apply_lora(model: nn.Module, peft_config: Any, *, seed: int = 0) -> nn.Modul
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return peft.get_peft_model(model, peft_config)
+
+
+def apply_lora_to_module(module: nn.Module, peft_config: Any, *, seed: int = 0) -> nn.Module:
+    """LoRA on an algorithm's own model (PPO's critic): its copied ``decoder`` freezes and gets adapters.
+
+    The rule for every module of :meth:`Algorithm.modules` in a LoRA run: a module with a
+    ``decoder`` (a copy of the policy's decoder, as :class:`torchforge.loop.ValueModel` holds)
+    gets its own adapters on that decoder (the same ``LoraConfig`` as the policy, through
+    ``peft.inject_adapter_in_model``), the decoder's weights freeze, and its other parameters
+    (the value head) train fully. A module without a ``decoder`` is left as it is (it trains
+    fully). The adapters are seeded with ``seed`` as in :func:`apply_lora`.
+
+    Args:
+        module: the algorithm's module (not sharded yet).
+        peft_config: a ``peft.LoraConfig`` or a ``lora:`` dict.
+        seed: seeds the adapters' initialization.
+
+    Returns:
+        ``module``, changed in place.
+
+    Example:
+        >>> from torchforge.loop import ValueModel
+        >>> from torchforge.trainer.demo import char_tokenizer, tiny_llama
+        >>> critic = apply_lora_to_module(ValueModel(tiny_llama(char_tokenizer())), {"rank": 2})
+        >>> sorted({n.split(".")[0] if "lora_" not in n else "lora" for n, p in critic.named_parameters()
+        ...         if p.requires_grad})
+        ['head', 'lora']
+
+    Note:
+        The critic keeps its own frozen copy of the base decoder (two copies of the base in
+        all, against three for full PPO with a KL reference). Sharing the policy's would mean
+        switching between two adapters of one module for every critic forward, with the
+        policy and critic no longer separate modules to shard; not done.
+    """
+    peft = require_peft()
+    if isinstance(peft_config, dict):
+        peft_config = lora_config(peft_config)
+    decoder = getattr(module, "decoder", None)
+    if not isinstance(decoder, nn.Module):
+        return module
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft.inject_adapter_in_model(peft_config, decoder)
+    for name, param in decoder.named_parameters():
+        param.requires_grad_("lora_" in name)
+    return module
 
 
 def shard_lora(model: nn.Module, **shard_kwargs: Any) -> nn.Module:

@@ -65,7 +65,13 @@ from torchforge.reduce import Aggregation, masked_mean
 from torchforge.trainer import episodes
 from torchforge.trainer.algorithms import Algorithm, algorithm_from_name
 from torchforge.trainer.config import RLConfig
-from torchforge.trainer.lora import adapters_disabled, apply_lora, export_merged, shard_lora
+from torchforge.trainer.lora import (
+    adapters_disabled,
+    apply_lora,
+    apply_lora_to_module,
+    export_merged,
+    shard_lora,
+)
 from torchforge.trainer.run_dir import RunInterrupted, StopOnInterrupt
 from torchforge.trainer.tracking import MetricsLogger
 
@@ -280,6 +286,8 @@ class RLTrainer:
             self.ref_model = self.model  # run under adapters_disabled: one copy of the base weights
         modules = {"policy": self.model}
         for name, module in self.algorithm.modules().items():
+            if self.peft_config is not None:  # LoRA: a copied decoder (PPO's critic) freezes, gets adapters
+                module = apply_lora_to_module(module, self.peft_config, seed=self.config.seed + 1)
             module = shard(module.to(self.device), **self._shard_kwargs)
             setattr(self.algorithm, name, module)  # the algorithm calls the sharded module
             modules[name] = module
@@ -542,7 +550,8 @@ class RLTrainer:
         """
         path = self.output_dir / _CHECKPOINTS / f"step-{step:06d}"
         save_checkpoint(path, model=self.modules, optimizer=self.optimizer, scheduler=self.scheduler,
-                        extra={"step": step})
+                        extra={"step": step},
+                        trainable_only=self.peft_config is not None)  # LoRA: the adapters, not the base
         return path
 
     def evaluate(self) -> dict[str, float]:
@@ -577,7 +586,8 @@ class RLTrainer:
                 warnings.warn(f"RLTrainer: resume=True but {self.output_dir / _CHECKPOINTS} holds no "
                               "checkpoint; starting from step 0", stacklevel=2)
             return 0
-        extra = load_checkpoint(found[-1], model=self.modules, optimizer=self.optimizer, scheduler=self.scheduler)
+        extra = load_checkpoint(found[-1], model=self.modules, optimizer=self.optimizer, scheduler=self.scheduler,
+                                trainable_only=self.peft_config is not None)
         return int(extra["step"])
 
     def _stop_interrupted(self, last_saved: Path | None) -> None:
