@@ -12,7 +12,9 @@ Reported per variant: the weights held (policy + reference, unique storages), th
 trainable parameters, the gradient bytes (one per trainable parameter) and the AdamW-state
 bytes after a step, their sum (the training state), the peak extra memory allocated by torch during one step
 (``torch.profiler`` memory events on the CPU, ``max_memory_allocated`` on CUDA; the same
-meter as ``bench_loop.py``), and the median step time.
+meter as ``bench_loop.py``), the median step time, and the size on disk of the checkpoint
+the trainer writes (``RLTrainer.save``); for LoRA also that of a whole-model checkpoint of
+the same run (``save_checkpoint(..., trainable_only=False)``, what LoRA runs wrote before).
 
 Usage: python benchmarks/bench_lora.py [--quick] [--hidden H] [--layers L] [--rank R] [--steps N]
 Writes benchmarks/results/lora.md (not with --quick).
@@ -36,6 +38,7 @@ from bench_loop import DEVICE, PeakMemory, machine, sync
 
 import torchforge
 from torchforge import RLConfig, RLTrainer
+from torchforge.distributed.checkpoint import save_checkpoint
 from torchforge.trainer.demo import (
     CopyDigitsReward,
     char_tokenizer,
@@ -57,6 +60,10 @@ def _mib(tensors) -> float:
         seen.add(key)
         total += t.untyped_storage().nbytes()
     return total / 2**20
+
+
+def _folder_mib(path: Path) -> float:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 2**20
 
 
 def measure(variant: str, args, workdir: str) -> dict[str, float]:
@@ -83,6 +90,10 @@ def measure(variant: str, args, workdir: str) -> dict[str, float]:
         meter.start()
         trainer.train_step(args.warmup + args.steps)
         peak = meter.stop()
+        checkpoint = trainer.save(trainer.step)
+        whole = Path(workdir) / f"{variant}-whole-model"
+        save_checkpoint(whole, model=trainer.modules, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                        extra={"step": trainer.step})
     params = list(trainer.model.parameters())
     ref = list(trainer.ref_model.parameters()) if trainer.ref_model is not None else []
     states = [v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
@@ -97,6 +108,7 @@ def measure(variant: str, args, workdir: str) -> dict[str, float]:
         "ms": 1e3 * statistics.median(times[args.warmup:]),
         "reference": "the policy, adapters disabled" if trainer.ref_model is trainer.model else "a deep copy",
     }
+    out["checkpoint"], out["checkpoint_whole"] = _folder_mib(checkpoint), _folder_mib(whole)
     out["state"] = out["weights"] + out["grads"] + out["adam"]
     out["total"] = out["weights"] + out["adam"] + out["peak"]  # held before the step + what the step adds
     return out
@@ -129,6 +141,23 @@ def report(results: dict[str, dict], args) -> str:
         lines.append(f"| {name} | {r['reference']} | {r['trainable']:.3f} | {r['weights']:.1f} | {r['grads']:.1f} "
                      f"| {r['adam']:.1f} | {r['state']:.1f} | {r['state'] / full['state']:.2f} | {r['peak']:.1f} "
                      f"| {r['total']:.1f} | {r['total'] / full['total']:.2f} | {r['ms']:.0f} |")
+    lora = results["LoRA"]
+    lines += [
+        "",
+        "### Checkpoint size on disk (one `RLTrainer.save`: DCP model + optimizer, per-rank step / scheduler / RNG file)",
+        "",
+        ("A LoRA run's checkpoint holds only what trains (the adapters) and their AdamW state; the frozen base "
+         "weights come from the model the run starts with (`save_checkpoint(..., trainable_only=True)`). "
+         "Before: the whole model with the adapters' AdamW state."),
+        "",
+        "| variant | checkpoint holds | MiB | x full |",
+        "| --- | --- | ---: | ---: |",
+        f"| full | every weight + AdamW | {full['checkpoint']:.1f} | 1.00 |",
+        (f"| LoRA, before | base + adapters, adapters' AdamW | {lora['checkpoint_whole']:.1f} "
+         f"| {lora['checkpoint_whole'] / full['checkpoint']:.3f} |"),
+        (f"| LoRA, now | adapters + their AdamW | {lora['checkpoint']:.2f} "
+         f"| {lora['checkpoint'] / full['checkpoint']:.3f} |"),
+    ]
     return "\n".join(lines) + "\n"
 
 
