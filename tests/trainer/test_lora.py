@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchforge.errors import InvalidArgumentError
+from torchforge.errors import InvalidArgumentError, TorchforgeError
 from torchforge.trainer.lora import adapters_disabled, check_lora_settings, require_peft
 
 
@@ -163,7 +163,7 @@ def test_checkpoints_hold_only_the_adapters(trained):
     assert model_keys == trainable  # no base weight; buffers: the demo Llama has no persistent one
     optimizer_keys = {k.split(".", 2)[2] for k in _saved_keys(checkpoint) if k.startswith("optimizer.state.")}
     assert {k.rsplit(".", 1)[0] for k in optimizer_keys} == {k.removeprefix("model.") for k in trainable}
-    with pytest.raises(Exception, match="holds only the trainable parameters"):
+    with pytest.raises(TorchforgeError, match="holds only the trainable parameters"):
         load_checkpoint(checkpoint, model=trainer.modules, restore_rng=False)
 
 
