@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
+from torchforge.distributed.checkpoint import latest_checkpoint
 from torchforge.errors import InvalidArgumentError, TorchforgeError
 
 __all__ = [
-    "RUN_FILES", "RunInterrupted", "holds_run", "checkpoint_steps", "last_checkpoint_step",
+    "RUN_FILES", "RunInterrupted", "holds_run", "last_checkpoint_step",
     "prepare_output_dir", "check_writable", "truncate_metrics", "StopOnInterrupt",
 ]
 
@@ -61,28 +62,8 @@ def holds_run(output_dir: str | os.PathLike) -> bool:
     return root.is_dir() and any((root / name).exists() for name in _RUN_MARKS)
 
 
-def checkpoint_steps(output_dir: str | os.PathLike) -> dict[int, Path]:
-    """The complete checkpoints of a run: step -> folder (``checkpoints/step-NNNNNN``).
-
-    A checkpoint counts when rank 0's file is in it (written last by ``save_checkpoint``).
-
-    Args:
-        output_dir: the run folder.
-
-    Returns:
-        dict, ordered by step.
-    """
-    root = Path(output_dir) / "checkpoints"
-    found = {}
-    for path in root.glob("step-*") if root.is_dir() else ():
-        number = path.name.split("-", 1)[1]
-        if number.isdigit() and (path / "rank_0.pt").exists():
-            found[int(number)] = path
-    return dict(sorted(found.items()))
-
-
 def last_checkpoint_step(output_dir: str | os.PathLike) -> int | None:
-    """The step of the newest complete checkpoint in ``output_dir``, or None.
+    """The step of the newest complete checkpoint in ``output_dir`` (see ``latest_checkpoint``), or None.
 
     Args:
         output_dir: the run folder.
@@ -94,8 +75,8 @@ def last_checkpoint_step(output_dir: str | os.PathLike) -> int | None:
         >>> last_checkpoint_step("/nonexistent/run") is None
         True
     """
-    steps = checkpoint_steps(output_dir)
-    return max(steps) if steps else None
+    latest = latest_checkpoint(Path(output_dir) / "checkpoints")
+    return None if latest is None else int(latest.name.split("-", 1)[1])
 
 
 def check_writable(output_dir: str | os.PathLike) -> None:
