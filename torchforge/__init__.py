@@ -96,6 +96,7 @@ from torchforge.reduce import (
     masked_sum,
     masked_var,
     masked_whiten,
+    pooled_var,
 )
 
 # name -> module, imported on first access (they need transformers)
@@ -174,6 +175,7 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "pooled_var",
     "masked_min",
     "masked_max",
     "aggregate",
