@@ -27,6 +27,18 @@ from torchforge.errors import InvalidArgumentError
     (dict(sapo_tau_neg=0), r"sapo_tau_neg=0; expected a number in \(0, inf\]"),
     (dict(cov_select_frac=0.0), r"cov_select_frac=0.0; expected a number in \(0, 1\]"),
     (dict(cov_low=5.0, cov_high=1.0), r"cov_low=5.0 and cov_high=1.0; expected cov_low < cov_high"),
+    (dict(rollout_correction="icepop"), r"rollout_correction='icepop'; expected one of \['none', 'tis', 'mask'\]"),
+    (dict(rollout_correction_level="seq"), r"rollout_correction_level='seq'; expected one of \['token', 'sequence', 'sequence-product'\]"),
+    (dict(rollout_is_cap=0), r"rollout_is_cap=0; expected a number in \(0, inf\]"),
+    (dict(rollout_mask_low=2.0), r"rollout_mask_low=2.0 and rollout_mask_high=2.0; expected rollout_mask_low < rollout_mask_high"),
+    (dict(dynamic_sampling="yes"), r"dynamic_sampling='yes'; expected True or False"),
+    (dict(max_sampling_rounds=0), r"max_sampling_rounds=0; expected an int >= 1"),
+    (dict(top_entropy_quantile=0.0), r"top_entropy_quantile=0.0; expected a number in \(0, 1\]"),
+    (dict(reward_aggregation="sum"), r"reward_aggregation='sum'; expected one of \['weighted_sum', 'normalize_then_sum'\]"),
+    (dict(reward_clip="big"), r"reward_clip='big'; expected None, a number c > 0"),
+    (dict(kl_target=0.0), r"kl_target=0.0; expected a number in \(0, inf\]"),
+    (dict(kl_horizon=0), r"kl_horizon=0; expected a number in \(0, inf\]"),
+    (dict(ref_model_sync_steps=0), r"ref_model_sync_steps=0; expected an int >= 1 or None"),
 ])
 def test_invalid_configs_are_rejected_up_front(values, message):
     with pytest.raises(InvalidArgumentError, match=message):

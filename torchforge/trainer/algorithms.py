@@ -11,6 +11,25 @@ and the loss are computed. The hooks are called in this order for each sampled b
    ``advantages`` (when ``prepare`` set them), ``ref_log_probs`` (when a reference is
    used), ``rollout_log_probs`` (the sampler's) and ``mask``.
 
+The settings of :class:`RLConfig` reach the hooks ready-made, so a custom algorithm uses
+them without re-implementing them:
+
+- ``self.weights``: the [B, T] per-token weights of the micro-batch from
+  ``rollout_correction`` (truncated importance weights or a ratio mask, from
+  ``rollout_log_probs`` against ``old_log_probs``) times ``top_entropy_quantile``'s
+  high-entropy mask (``self.entropy_threshold``: the step's threshold), computed by
+  :meth:`Algorithm.correction_weights`, or None; :meth:`Algorithm.policy_gradient_loss` and the built-in
+  losses pass them as ``weights=`` (the mask stays);
+- ``self.kl_coef``: the current KL coefficient (``kl_coef``, or the adaptive one when
+  ``kl_target`` is set), used by :meth:`Algorithm.kl_penalty` and the built-in algorithms;
+- ``batch.rewards``: [B] (the weighted sum of the reward functions, clipped with
+  ``reward_clip``), or [B, K] with ``reward_aggregation="normalize_then_sum"``, which
+  :meth:`Algorithm.compute_advantages` turns into GDPO advantages with
+  ``self.reward_weights``;
+- ``ref_log_probs``: the reference policy's, refreshed every ``ref_model_sync_steps``.
+- ``prepare(batch)`` sees, with ``dynamic_sampling``, only groups whose rewards differ
+  (unless the rounds ran out: then dropped groups fill the batch), always the step's size.
+
 One rule for losses: every loss returns ``(loss, metrics)`` — a scalar tensor and a dict
 of scalar metrics of the micro-batch. The losses of :mod:`torchforge.losses`,
 :meth:`Algorithm.policy_gradient_loss` and ``compute_loss`` alike; so a ``compute_loss``
@@ -51,6 +70,11 @@ from torchforge.advantages import (
     rloo_advantages,
 )
 from torchforge.batch import Batch
+from torchforge.corrections import (
+    high_entropy_mask,
+    ratio_mask,
+    truncated_importance_weights,
+)
 from torchforge.distributed import sum_over_ranks
 from torchforge.errors import TorchforgeError
 from torchforge.kl import approx_kl
@@ -121,6 +145,12 @@ class Algorithm:
     _batch: Batch | None = None
     _aggregation: Aggregation | None = None
     _metrics: Metrics | None = None
+    _weights: torch.Tensor | None = None
+    _kl_coef: float | None = None
+    #: [K] weights of the reward functions, for [B, K] rewards (set by the trainer); None: all 1
+    reward_weights: list[float] | None = None
+    #: the step's entropy threshold of ``top_entropy_quantile`` (set by the trainer each step)
+    entropy_threshold: torch.Tensor | None = None
 
     @property
     def name(self) -> str:
@@ -150,6 +180,15 @@ class Algorithm:
         self.config = config
 
     @property
+    def kl_coef(self) -> float:
+        """The current KL coefficient: ``config.kl_coef``, or the adaptive one the trainer sets."""
+        return self.config.kl_coef if self._kl_coef is None else self._kl_coef
+
+    @kl_coef.setter
+    def kl_coef(self, value: float) -> None:
+        self._kl_coef = float(value)
+
+    @property
     def needs_reference(self) -> bool:
         """Whether the trainer must compute ``ref_log_probs`` (a frozen copy of the policy).
 
@@ -171,13 +210,14 @@ class Algorithm:
     # --- the micro-batch being processed ---------------------------------------------------
 
     @contextlib.contextmanager
-    def bind(self, batch: Batch, aggregation: Aggregation) -> Iterator[None]:
-        """Make ``batch`` and ``aggregation`` the current ones while the body runs (trainer use)."""
-        self._batch, self._aggregation, self._metrics = batch, aggregation, None
+    def bind(self, batch: Batch, aggregation: Aggregation,
+             weights: torch.Tensor | None = None) -> Iterator[None]:
+        """Make ``batch``, ``aggregation`` and ``weights`` the current ones while the body runs (trainer use)."""
+        self._batch, self._aggregation, self._weights, self._metrics = batch, aggregation, weights, None
         try:
             yield
         finally:
-            self._batch, self._aggregation = None, None
+            self._batch, self._aggregation, self._weights = None, None, None
 
     def _current(self, what: str):
         if self._batch is None:
@@ -196,6 +236,12 @@ class Algorithm:
     def mask(self) -> torch.Tensor:
         """[B, T] bool mask of the micro-batch being processed."""
         return self._current("mask").mask
+
+    @property
+    def weights(self) -> torch.Tensor | None:
+        """[B, T] float per-token weights of the micro-batch (``rollout_correction``), or None."""
+        self._current("weights")
+        return self._weights
 
     @property
     def group_size(self) -> int:
@@ -245,17 +291,75 @@ class Algorithm:
 
         ``A = (r - mean_group) / (std_group + eps)`` with ``config.advantage_scale``;
         ``"batch"`` divides by the std of the rewards of every process (the same on 1
-        process as on N). Every process must call it together (a collective) when
-        ``advantage_scale="batch"``.
+        process as on N). [B, K] rewards (``reward_aggregation="normalize_then_sum"``):
+        GDPO, each reward normalized in its group, summed with ``self.reward_weights`` and
+        divided by the batch std of the sum (all processes). Every process must call it
+        together (a collective) when ``advantage_scale="batch"`` or the rewards are [B, K].
 
         Args:
-            rewards: [B] rewards of whole groups.
+            rewards: [B] rewards of whole groups, or [B, K].
 
         Returns:
             [B] float32 advantages.
         """
+        weights = self.reward_weights if rewards.dim() == 2 else None
         return group_advantages(rewards, group_size=self.group_size, scale=self.config.advantage_scale,
-                                sum_over_ranks=sum_over_ranks)
+                                reward_weights=weights, sum_over_ranks=sum_over_ranks)
+
+    def correction_weights(self, batch: Batch, entropy: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor | None, Metrics]:
+        """The per-token weights of ``rollout_correction`` and ``top_entropy_quantile``, and their metrics.
+
+        From ``log_ratio = old_log_probs - rollout_log_probs`` (trainer against sampler):
+        ``"tis"``: ``truncated_importance_weights(level, cap=rollout_is_cap)``; ``"mask"``:
+        ``ratio_mask(low=rollout_mask_low, high=rollout_mask_high, level)`` (IcePop at the
+        token level, MIS at a sequence level); ``"none"``: None. With ``top_entropy_quantile <
+        1``, times ``high_entropy_mask(entropy, mask, threshold=self.entropy_threshold)``.
+        The trainer calls it before ``compute_loss`` and binds the result as ``self.weights``.
+
+        Args:
+            batch: the micro-batch, with ``old_log_probs``, ``rollout_log_probs`` and ``mask``.
+            entropy: [B, T] token entropies of the policy (needed with ``top_entropy_quantile``).
+
+        Returns:
+            ``(weights, metrics)``: [B, T] float32 weights or None, and
+            ``{"rollout/is_weight_mean": masked mean weight, "rollout/masked_frac": fraction
+            of counted tokens with weight 0}`` (rollout correction), ``{"entropy_threshold",
+            "frac_high_entropy"}`` (top entropy).
+        """
+        cfg = self.config
+        weights, metrics = self._rollout_weights(batch)
+        if cfg.top_entropy_quantile < 1:
+            if entropy is None or self.entropy_threshold is None:
+                raise TorchforgeError(
+                    f"{self.name}.correction_weights: top_entropy_quantile={cfg.top_entropy_quantile} needs the "
+                    "token entropies and the step's entropy_threshold; expected both (the trainer sets them)"
+                )
+            kept = high_entropy_mask(entropy.detach(), batch.mask, quantile=cfg.top_entropy_quantile,
+                                     threshold=self.entropy_threshold)
+            weights = kept if weights is None else weights * kept
+            metrics.update(entropy_threshold=self.entropy_threshold.detach().float(),
+                           frac_high_entropy=masked_mean(kept, batch.mask))
+        return weights, metrics
+
+    def _rollout_weights(self, batch: Batch) -> tuple[torch.Tensor | None, Metrics]:
+        cfg = self.config
+        if cfg.rollout_correction == "none":
+            return None, {}
+        if batch.rollout_log_probs is None:
+            raise TorchforgeError(
+                f"{self.name}.correction_weights: rollout_correction={cfg.rollout_correction!r} but the batch "
+                "has no rollout_log_probs; expected the sampler's log-probs (or rollout_correction='none')"
+            )
+        old, rollout, mask = batch.old_log_probs.detach(), batch.rollout_log_probs, batch.mask
+        if cfg.rollout_correction == "tis":
+            weights = truncated_importance_weights(old, rollout, mask, level=cfg.rollout_correction_level,
+                                                   cap=cfg.rollout_is_cap)
+        else:
+            weights = ratio_mask(old, rollout, mask, low=cfg.rollout_mask_low, high=cfg.rollout_mask_high,
+                                 level=cfg.rollout_correction_level)
+        return weights, {"rollout/is_weight_mean": masked_mean(weights, mask),
+                         "rollout/masked_frac": masked_mean((weights == 0).float(), mask)}
 
     def policy_gradient_loss(self, log_probs: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         """The policy-gradient loss of the current micro-batch named by ``config.policy_loss``.
@@ -265,7 +369,8 @@ class Algorithm:
         REINFORCE gradient ``-A grad log pi``; ``"gspo"``: the same with sequence ratios
         (``ratio_level="sequence"``); ``"cispo"``, ``"sapo"``, ``"gmpo"``, ``"clip_cov"``,
         ``"kl_cov"``: ``<name>_loss`` with the config's hyperparameters; ``"reinforce"``:
-        ``reinforce_loss`` (no ratio). Always aggregated with the step's aggregation.
+        ``reinforce_loss`` (no ratio). Always aggregated with the step's aggregation, with
+        ``self.weights`` (``rollout_correction``) as the loss's ``weights=``.
 
         Args:
             log_probs: [B, T] log-probs (carrying grad).
@@ -275,17 +380,17 @@ class Algorithm:
             ``(loss, metrics)``: the scalar loss and its metrics (``clip_frac_low``,
             ``ratio_max``, ...), as the loss returns them.
         """
-        cfg, old, mask, agg = self.config, self.batch.old_log_probs, self.mask, self.aggregation
+        cfg, old, mask, agg, w = self.config, self.batch.old_log_probs, self.mask, self.aggregation, self.weights
         name = cfg.policy_loss
         if name in ("ppo", "gspo"):
             return ppo_loss(log_probs, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                            dual_clip=cfg.dual_clip, ratio_level=_RATIO_LEVEL[name], aggregation=agg)
+                            dual_clip=cfg.dual_clip, ratio_level=_RATIO_LEVEL[name], weights=w, aggregation=agg)
         if name == "cispo":
             return cispo_loss(log_probs, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                              aggregation=agg)
+                              weights=w, aggregation=agg)
         if name == "sapo":
             return sapo_loss(log_probs, old, advantages, mask, tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg,
-                             aggregation=agg)
+                             weights=w, aggregation=agg)
         if name == "gmpo":
             return gmpo_loss(log_probs, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                              aggregation=agg)
@@ -296,10 +401,10 @@ class Algorithm:
         if name == "kl_cov":
             return kl_cov_loss(log_probs, old, advantages, mask, select_frac=cfg.cov_select_frac,
                                kl_coef=cfg.kl_cov_coef, aggregation=agg)
-        return reinforce_loss(log_probs, advantages, mask, aggregation=agg)
+        return reinforce_loss(log_probs, advantages, mask, weights=w, aggregation=agg)
 
     def kl_penalty(self, batch: Batch) -> tuple[torch.Tensor, Metrics]:
-        """The KL(pi || ref) term of the loss, ``kl_coef * aggregation(kl)``, and its ``kl`` metric.
+        """The KL(pi || ref) term of the loss, ``self.kl_coef * aggregation(kl)``, and its ``kl`` metric.
 
         ``kl = approx_kl(log_probs, ref_log_probs, old_log_probs=..., estimator=kl_estimator,
         gradient=kl_gradient)`` per token; 0 (and no metric) when ``kl_coef == 0``.
@@ -311,7 +416,7 @@ class Algorithm:
             ``(loss, metrics)``: the scalar term and ``{"kl": masked mean of kl}``.
         """
         cfg = self.config
-        if cfg.kl_coef == 0 or batch.ref_log_probs is None:
+        if self.kl_coef == 0 or batch.ref_log_probs is None:
             return torch.zeros((), device=batch.log_probs.device), {}
         mask = batch.mask
         # every side 0 where the mask is False (as grpo_loss): a NaN there cannot reach the gradient
@@ -319,7 +424,7 @@ class Algorithm:
                        torch.where(mask, batch.ref_log_probs.float(), 0.0),
                        old_log_probs=torch.where(mask, batch.old_log_probs.float(), 0.0),
                        estimator=cfg.kl_estimator, gradient=cfg.kl_gradient)
-        return cfg.kl_coef * self.aggregation(kl, batch.mask), {"kl": masked_mean(kl.detach(), batch.mask)}
+        return self.kl_coef * self.aggregation(kl, batch.mask), {"kl": masked_mean(kl.detach(), batch.mask)}
 
     def compute_loss(self, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         """The loss of one micro-batch: here, the policy-gradient loss of group advantages.
@@ -371,9 +476,9 @@ class GRPO(Algorithm):
             return grpo_loss(
                 batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask,
                 batch.ref_log_probs if cfg.kl_coef > 0 else None,
-                kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, kl_gradient=cfg.kl_gradient,
+                kl_coef=self.kl_coef, kl_estimator=cfg.kl_estimator, kl_gradient=cfg.kl_gradient,
                 clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
-                ratio_level=_RATIO_LEVEL[cfg.policy_loss], aggregation=self.aggregation,
+                ratio_level=_RATIO_LEVEL[cfg.policy_loss], weights=self.weights, aggregation=self.aggregation,
             )
         pg_loss, metrics = self.policy_gradient_loss(batch.log_probs, batch.advantages)
         kl_loss, kl_metrics = self.kl_penalty(batch)
@@ -430,7 +535,7 @@ class PPO(Algorithm):
         batch.old_values = torch.cat([self.critic(part) for part in micro_batches(batch, size)])
         rewards = batch.rewards.nan_to_num(0.0)
         ref = batch.ref_log_probs if cfg.kl_coef > 0 else batch.old_log_probs
-        token_rewards = kl_penalized_rewards(rewards, batch.old_log_probs, ref, batch.mask, kl_coef=cfg.kl_coef)
+        token_rewards = kl_penalized_rewards(rewards, batch.old_log_probs, ref, batch.mask, kl_coef=self.kl_coef)
         advantages, batch.returns = gae(token_rewards, batch.old_values, batch.mask, gamma=cfg.gamma, lam=cfg.lam)
         batch.advantages = masked_whiten(advantages, batch.mask, sum_over_ranks=sum_over_ranks)  # all ranks
 
@@ -493,12 +598,13 @@ class REINFORCE(Algorithm):
             if group_size is not None:
                 rewards, group_size = group_advantages(rewards, group_size=group_size, scale="none"), None
             rewards = kl_penalized_rewards(rewards, batch.old_log_probs, batch.ref_log_probs, batch.mask,
-                                           kl_coef=cfg.kl_coef)
+                                           kl_coef=self.kl_coef)
         batch.advantages = reinforce_pp_advantages(rewards, batch.mask, gamma=cfg.gamma, group_size=group_size,
                                                    sum_over_ranks=sum_over_ranks)  # whitened over all ranks
 
     def compute_loss(self, batch: Batch):
-        loss, metrics = reinforce_loss(batch.log_probs, batch.advantages, batch.mask, aggregation=self.aggregation)
+        loss, metrics = reinforce_loss(batch.log_probs, batch.advantages, batch.mask, weights=self.weights,
+                                       aggregation=self.aggregation)
         if self._kl_in_reward:
             return loss, {**metrics, **_kl_metric(batch)}
         kl_loss, kl_metrics = self.kl_penalty(batch)

@@ -3,23 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from torchforge.advantages import GROUP_SCALES
+from torchforge.corrections import CORRECTION_LEVELS
 from torchforge.distributed.parallelize import MIXED_PRECISIONS, STRATEGIES
 from torchforge.errors import InvalidArgumentError
 from torchforge.kl import KL_ESTIMATORS, KL_GRADIENTS
 from torchforge.reduce import AGGREGATION_MODES
 from torchforge.trainer.lora import check_lora_settings
 
-__all__ = ["RLConfig", "ALGORITHMS", "LR_SCHEDULERS", "REINFORCE_BASELINES", "POLICY_LOSSES"]
+__all__ = ["RLConfig", "ALGORITHMS", "LR_SCHEDULERS", "REINFORCE_BASELINES", "POLICY_LOSSES",
+           "ROLLOUT_CORRECTIONS", "REWARD_AGGREGATIONS"]
 
 ALGORITHMS = ("grpo", "ppo", "reinforce")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 REINFORCE_BASELINES = ("rloo", "reinforce++", "reinforce++-baseline")
 #: the policy losses of ``RLConfig.policy_loss`` (torchforge.losses; "gspo" is ppo_loss with sequence ratios)
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "reinforce")
+#: the policy losses that take per-token ``weights=`` (rollout corrections need one)
+WEIGHTED_POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "reinforce")
+#: ``RLConfig.rollout_correction``: none, truncated importance weights, or a ratio mask
+ROLLOUT_CORRECTIONS = ("none", "tis", "mask")
+#: ``RLConfig.reward_aggregation``: one reward of the weighted sum, or GDPO's per-reward normalization
+REWARD_AGGREGATIONS = ("weighted_sum", "normalize_then_sum")
 
 
 @dataclass
@@ -71,6 +80,56 @@ class RLConfig:
             reward is NaN, "not applicable", so group statistics (advantages, the logged
             ``reward``, ``frac_reward_zero_std``) are those of the other completions (DAPO;
             TRL's option of the same name).
+        dynamic_sampling, max_sampling_rounds: DAPO's dynamic sampling: groups whose rewards
+            are all equal (``zero_std_groups``: no learning signal) are dropped and more
+            prompts are sampled, up to ``max_sampling_rounds`` rounds per step in all, until
+            every process has its share of informative groups; if the rounds run out, the
+            batch is filled with dropped groups (advantage 0, their tokens still counted).
+            Every process draws the same number of rounds (a collective decides), so the
+            batch shape and the global token counts stay exact. Round r > 0 of step s takes
+            the prompts at stream position ``(r * total_steps + s) * prompts_per_step`` (past
+            the run's own prompts: the regular schedule and resume are unchanged). Logged:
+            ``dynamic_sampling/rounds``, ``dynamic_sampling/prompts_drawn`` (all processes),
+            ``dynamic_sampling/filled_groups``; the step's other metrics (``reward``,
+            ``frac_reward_zero_std``) are those of the kept batch. Groups are judged on the
+            scored rewards (before ``mask_truncated_completions``). Single-turn runs only.
+        rollout_correction: correct for a sampler that differs numerically from training,
+            from ``rollout_log_probs`` against the old log-probs
+            (:mod:`torchforge.corrections`), as per-token weights of the policy loss (the
+            mask, hence the token counts, stays): "none"; "tis", truncated importance
+            weights ``truncated_importance_weights(level=rollout_correction_level,
+            cap=rollout_is_cap)``; "mask", 0/1 weights ``ratio_mask(low=rollout_mask_low,
+            high=rollout_mask_high, level=rollout_correction_level)`` (level "token":
+            IcePop; "sequence" / "sequence-product": MIS). Logged: ``rollout/is_weight_mean``,
+            ``rollout/masked_frac`` (with ``rollout/kl``, logged always). Needs a policy loss
+            with weights (not gmpo, clip_cov, kl_cov).
+        top_entropy_quantile: train on the top-``q`` highest-entropy counted tokens only
+            ("Beyond the 80/20 rule"; TRL's option of the same name): 0/1 per-token weights
+            ``high_entropy_mask(entropy, mask, threshold=tau)`` of the policy loss, with
+            ``tau = entropy_threshold`` of the step's counted tokens (all micro-batches and
+            processes, from a no-grad forward before the update), multiplied with the
+            rollout correction's; logged ``entropy_threshold``, ``frac_high_entropy``.
+            1.0: every token (off); needs a policy loss with weights, as above.
+        rollout_correction_level: one of ``CORRECTION_LEVELS`` ("token", "sequence": the
+            geometric mean of a row's ratios, "sequence-product": their product).
+        rollout_is_cap: the truncation C of "tis" (> 0).
+        rollout_mask_low, rollout_mask_high: the kept ratio window of "mask", 0 <= low < high.
+        reward_aggregation: several reward functions: "weighted_sum" (one reward,
+            ``sum_k w_k r_k``) or "normalize_then_sum" (GDPO: each reward normalized in its
+            group, then summed with the weights and scaled by the batch std:
+            ``group_advantages`` of the [B, K] rewards; GRPO or a custom algorithm's
+            ``compute_advantages``).
+        reward_clip: clip the reward the update sees (after the weighted sum; each reward
+            with "normalize_then_sum"): a number c clips to ``[-c, c]``, a pair
+            ``[low, high]`` to that window (stored as ``[low, high]``); None: no clipping.
+            NaN ("not applicable") stays NaN.
+        kl_target, kl_horizon: adaptive KL (Ziegler et al.; ``torchforge.kl.adaptive_kl_coef``):
+            after every step the coefficient, starting at ``kl_coef``, moves toward holding
+            the step's ``kl`` at ``kl_target``, with ``num_steps`` the step's sequences (as
+            TRL and verl count); logged as ``kl_coef`` and checkpointed. None: fixed ``kl_coef``.
+        ref_model_sync_steps: TR-DPO-style: copy the policy's weights into the reference
+            policy every N optimizer steps; None: the reference stays the initial policy.
+            Not with LoRA (the reference is the policy with its adapters off).
         gamma, lam: discount and GAE lambda (PPO; gamma also for REINFORCE++).
         value_coef, value_clip: PPO: weight of the value loss and its clip range.
         max_grad_norm: gradient-norm clip; None disables it.
@@ -143,6 +202,19 @@ class RLConfig:
     kl_cov_coef: float = 1.0
     entropy_coef: float = 0.0
     mask_truncated_completions: bool = False
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
+    rollout_correction: str = "none"
+    rollout_correction_level: str = "token"
+    rollout_is_cap: float = 2.0
+    rollout_mask_low: float = 0.5
+    rollout_mask_high: float = 2.0
+    top_entropy_quantile: float = 1.0
+    reward_aggregation: str = "weighted_sum"
+    reward_clip: float | list[float] | None = None
+    kl_target: float | None = None
+    kl_horizon: float = 10000.0
+    ref_model_sync_steps: int | None = None
     gamma: float = 1.0
     lam: float = 0.95
     value_coef: float = 0.5
@@ -205,6 +277,25 @@ class RLConfig:
         if not isinstance(self.mask_truncated_completions, bool):
             raise bad("mask_truncated_completions", "True or False")
         choice("reinforce_baseline", REINFORCE_BASELINES)
+        if not isinstance(self.dynamic_sampling, bool):
+            raise bad("dynamic_sampling", "True or False")
+        positive_int("max_sampling_rounds")
+        choice("rollout_correction", ROLLOUT_CORRECTIONS)
+        choice("rollout_correction_level", CORRECTION_LEVELS)
+        in_range("rollout_is_cap", 0, float("inf"), open_low=True)
+        in_range("rollout_mask_low", 0, float("inf"))
+        in_range("rollout_mask_high", 0, float("inf"), open_low=True)
+        if not self.rollout_mask_low < self.rollout_mask_high:
+            raise InvalidArgumentError(
+                f"{fn}: rollout_mask_low={self.rollout_mask_low!r} and rollout_mask_high="
+                f"{self.rollout_mask_high!r}; expected rollout_mask_low < rollout_mask_high"
+            )
+        in_range("top_entropy_quantile", 0, 1, open_low=True)
+        choice("reward_aggregation", REWARD_AGGREGATIONS)
+        self.reward_clip = self._checked_reward_clip()
+        in_range("kl_target", 0, float("inf"), optional=True, open_low=True)
+        in_range("kl_horizon", 0, float("inf"), open_low=True)
+        positive_int("ref_model_sync_steps", optional=True)
         choice("lr_scheduler", LR_SCHEDULERS)
         positive_int("eval_steps", optional=True)
         positive_int("num_eval_generations")
@@ -266,11 +357,51 @@ class RLConfig:
                 f"{fn}: reinforce_baseline={self.reinforce_baseline!r} with num_generations={G}; expected >= 2 "
                 "(the baseline comes from the other samples of the group)"
             )
+        for name, off in (("rollout_correction", "none"), ("top_entropy_quantile", 1.0)):
+            if getattr(self, name) != off and self.policy_loss not in WEIGHTED_POLICY_LOSSES:
+                raise InvalidArgumentError(
+                    f"{fn}: {name}={getattr(self, name)!r} with policy_loss={self.policy_loss!r}; expected "
+                    f"a policy loss that takes per-token weights, one of {list(WEIGHTED_POLICY_LOSSES)}"
+                )
+        if self.reward_aggregation == "normalize_then_sum" and self.algorithm != "grpo":
+            raise InvalidArgumentError(
+                f"{fn}: reward_aggregation='normalize_then_sum' with algorithm={self.algorithm!r}; expected "
+                "algorithm='grpo' (group-normalized advantages; PPO and REINFORCE build theirs from one reward)"
+            )
+        for name in ("kl_target", "ref_model_sync_steps"):
+            if getattr(self, name) is not None and self.kl_coef == 0:
+                raise InvalidArgumentError(
+                    f"{fn}: {name}={getattr(self, name)!r} with kl_coef=0; expected kl_coef > 0 (there is "
+                    "no KL term, hence no reference policy, to adapt or refresh)"
+                )
+        if self.ref_model_sync_steps is not None and self.lora is not None:
+            raise InvalidArgumentError(
+                f"{fn}: ref_model_sync_steps={self.ref_model_sync_steps} with lora; expected one of them: with "
+                "LoRA the reference is the policy with its adapters off, so it cannot be refreshed separately"
+            )
         if self.algorithm == "reinforce" and self.num_iterations != 1:
             raise InvalidArgumentError(
                 f"{fn}: algorithm='reinforce' with num_iterations={self.num_iterations}; REINFORCE is "
                 "on-policy (no ratio clipping), expected num_iterations=1 (use 'grpo' or 'ppo' for several passes)"
             )
+
+    def _checked_reward_clip(self) -> list[float] | None:
+        """``reward_clip`` as ``[low, high]`` (a number c is ``[-c, c]``), or None."""
+        clip = self.reward_clip
+        if clip is None:
+            return None
+
+        def number(x) -> bool:
+            return not isinstance(x, bool) and isinstance(x, (int, float)) and not math.isnan(x)
+
+        if number(clip) and clip > 0:
+            return [-float(clip), float(clip)]
+        if isinstance(clip, (list, tuple)) and len(clip) == 2 and all(map(number, clip)) and clip[0] < clip[1]:
+            return [float(clip[0]), float(clip[1])]
+        raise InvalidArgumentError(
+            f"RLConfig: reward_clip={clip!r}; expected None, a number c > 0 (clip to [-c, c]) or a pair "
+            "[low, high] with low < high"
+        )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "RLConfig":

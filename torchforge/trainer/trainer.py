@@ -6,14 +6,16 @@ One step, top to bottom (:meth:`RLTrainer.train_step`):
 2. ``_rollout``: sample G completions each (:func:`torchforge.loop.rollout`, with the
    sampler's ``rollout_log_probs``), and ``_score`` them with the reward functions;
 3. ``_counted_completions``: with ``mask_truncated_completions``, truncated ones count for nothing;
+   ``_update_rewards``: [B, K] rewards for GDPO, ``reward_clip``;
 4. ``_reference_log_probs``: reference (and, when the algorithm needs them first, old)
-   log-probs, no grad;
+   log-probs, no grad; the step's entropy threshold of ``top_entropy_quantile``;
 5. ``algorithm.prepare`` (advantages, values...);
 6. ``_update``: ``num_iterations`` optimizer steps, each over every micro-batch with exact
    aggregation (``_loss``: the forward, ``algorithm.compute_loss``'s ``(loss, metrics)``,
    the entropy bonus);
-7. ``_metrics``: reduced over processes as sums and counts, maxima and minima; then
-   logging and checkpoints (:meth:`RLTrainer.train`).
+7. ``_metrics``: reduced over processes as sums and counts, maxima and minima;
+   ``_after_update``: the adaptive KL coefficient, the reference refresh; then logging
+   and checkpoints (:meth:`RLTrainer.train`).
 """
 
 from __future__ import annotations
@@ -31,16 +33,18 @@ import yaml
 from torch import nn
 
 from torchforge.batch import Batch
-from torchforge.corrections import zero_std_groups
+from torchforge.corrections import entropy_threshold, zero_std_groups
 from torchforge.distributed import (
     DistributedConfig,
     barrier,
+    gather_over_ranks,
     init_distributed,
     is_main_process,
     rank,
     reduce_metric_extrema,
     reduce_metric_sums,
     shard,
+    sum_over_ranks,
     world_size,
 )
 from torchforge.distributed.checkpoint import (
@@ -48,7 +52,9 @@ from torchforge.distributed.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from torchforge.distributed.weight_sync import sync_weights
 from torchforge.errors import InvalidArgumentError, TorchforgeError
+from torchforge.kl import adaptive_kl_coef
 from torchforge.loop import (
     accumulate_gradients,
     completion_stop_ids,
@@ -65,13 +71,7 @@ from torchforge.reduce import Aggregation, masked_mean
 from torchforge.trainer import episodes
 from torchforge.trainer.algorithms import Algorithm, algorithm_from_name
 from torchforge.trainer.config import RLConfig
-from torchforge.trainer.lora import (
-    adapters_disabled,
-    apply_lora,
-    apply_lora_to_module,
-    export_merged,
-    shard_lora,
-)
+from torchforge.trainer.lora import adapters_disabled, apply_lora, export_merged, shard_lora
 from torchforge.trainer.run_dir import RunInterrupted, StopOnInterrupt
 from torchforge.trainer.tracking import MetricsLogger
 
@@ -126,6 +126,27 @@ def _enable_gradient_checkpointing(model: nn.Module) -> None:
     else:
         raise InvalidArgumentError(f"RLTrainer: gradient_checkpointing=True but {type(model).__name__} cannot "
                                    "enable it; expected a Hugging Face model, or gradient_checkpointing=False")
+
+
+def _cat_padded(batches: list[Batch], pad_id: int) -> Batch:
+    """Batches of different lengths as one: responses right-padded, prompts left-padded
+    (``pad_id`` for ids, False for masks, 0 for floats), then concatenated."""
+    if len(batches) == 1:
+        return batches[0]
+    fields = {}
+    for key in ("tokens", "mask", "log_probs", "old_log_probs", "ref_log_probs", "rollout_log_probs",
+                "prompt_tokens", "prompt_mask", "rewards", "truncated", "advantages"):
+        values = [b.get(key) for b in batches]
+        if values[0] is None:
+            continue
+        if values[0].dim() == 2 and key not in ("rewards", "advantages"):
+            width = max(v.shape[1] for v in values)
+            fill = pad_id if key.endswith("tokens") else (False if values[0].dtype == torch.bool else 0.0)
+            left = key.startswith("prompt")
+            values = [torch.nn.functional.pad(v, (width - v.shape[1], 0) if left else (0, width - v.shape[1]),
+                                              value=fill) for v in values]
+        fields[key] = torch.cat(values)
+    return Batch(**fields, batch_size=[sum(b.batch_size[0] for b in batches)])
 
 
 class RLTrainer:
@@ -185,6 +206,13 @@ class RLTrainer:
         self.config = _checked_config(config)
         self.eval_dataset = eval_dataset
         self.peft_config = peft_config if peft_config is not None else self.config.lora
+        if environment_factory is not None and self.config.dynamic_sampling:
+            raise InvalidArgumentError("RLTrainer: dynamic_sampling=True with an environment_factory; expected "
+                                       "single-turn prompts (dynamic sampling redraws prompts, not episodes)")
+        if self.peft_config is not None and self.config.ref_model_sync_steps is not None:
+            raise InvalidArgumentError(
+                f"RLTrainer: ref_model_sync_steps={self.config.ref_model_sync_steps} with a peft_config; expected "
+                "one of them: with LoRA the reference is the policy with its adapters off")
         self.environment_factory = environment_factory
         init_distributed()
         self.device = _device()
@@ -286,8 +314,6 @@ class RLTrainer:
             self.ref_model = self.model  # run under adapters_disabled: one copy of the base weights
         modules = {"policy": self.model}
         for name, module in self.algorithm.modules().items():
-            if self.peft_config is not None:  # LoRA: a copied decoder (PPO's critic) freezes, gets adapters
-                module = apply_lora_to_module(module, self.peft_config, seed=self.config.seed + 1)
             module = shard(module.to(self.device), **self._shard_kwargs)
             setattr(self.algorithm, name, module)  # the algorithm calls the sharded module
             modules[name] = module
@@ -305,11 +331,12 @@ class RLTrainer:
 
     # --- data ---------------------------------------------------------------------------------
 
-    def _rows(self, step: int) -> tuple[list[dict[str, Any]], list[int]]:
-        """This process's prompts for ``step`` and their ids in the (epoch-shuffled) stream."""
+    def _rows(self, step: int, sampling_round: int = 0) -> tuple[list[dict[str, Any]], list[int]]:
+        """This process's prompts for ``step`` and their ids in the (epoch-shuffled) stream; round
+        r > 0 of dynamic sampling reads past the run's own prompts, at ``r * total_steps + step``."""
         n, per_step = len(self.train_dataset), self.config.prompts_per_step
         share = per_step // world_size()
-        first = step * per_step + rank() * share
+        first = (sampling_round * self.total_steps + step) * per_step + rank() * share
         rows, ids = [], []
         for k in range(first, first + share):
             epoch, offset = divmod(k, n)
@@ -363,11 +390,85 @@ class RLTrainer:
         start = time.perf_counter()
         batch, prompts, rows = self._rollout(step)
         per_function = self._score(batch, prompts, rows)
-        counted = self._counted_completions(batch)
+        sampling = {}
+        if self.config.dynamic_sampling:
+            batch, per_function, sampling = self._dynamic_sampling(step, batch, per_function)
+        counted = self._counted_completions(self._update_rewards(batch, per_function))
         self._reference_log_probs(counted)
         self.algorithm.prepare(counted)
         loss, loss_metrics, grad_norm = self._update(counted)
-        return self._metrics(batch, per_function, loss, loss_metrics, grad_norm, time.perf_counter() - start)
+        metrics = self._metrics(batch, per_function, loss, loss_metrics, grad_norm, time.perf_counter() - start)
+        self._after_update(step, metrics)
+        return {**metrics, **sampling}
+
+    def _dynamic_sampling(self, step: int, batch: Batch, per_function: dict[str, torch.Tensor]
+                          ) -> tuple[Batch, dict[str, torch.Tensor], dict[str, float]]:
+        """DAPO: drop the all-equal groups, draw more rounds (the same number on every process)
+        until each process has its share of informative groups; fill with dropped ones if short."""
+        cfg, G = self.config, self.config.num_generations
+        share = cfg.prompts_per_step // world_size()
+        rounds = [(batch, per_function)]
+
+        def informative(b: Batch) -> torch.Tensor:  # [groups] bool
+            return ~zero_std_groups(b.rewards.float().cpu(), group_size=G).view(-1, G)[:, 0]
+
+        kept = int(informative(batch).sum())
+        while len(rounds) < cfg.max_sampling_rounds:
+            short = sum_over_ranks(torch.tensor([float(max(share - kept, 0))], device=self.device))
+            if float(short) == 0:  # every process full: the same answer everywhere
+                break
+            more, prompts, rows = self._rollout(step, len(rounds))
+            rounds.append((more, self._score(more, prompts, rows)))
+            kept += int(informative(more).sum())
+        picks = [(i, g) for i, (b, _) in enumerate(rounds) for g in informative(b).nonzero().flatten().tolist()]
+        filler = [(i, g) for i, (b, _) in enumerate(rounds) for g in (~informative(b)).nonzero().flatten().tolist()]
+        chosen = (picks + filler)[:share]
+        parts, scores = [], []
+        for i, (b, f) in enumerate(rounds):
+            rows = torch.tensor([g * G + j for r, g in chosen if r == i for j in range(G)], dtype=torch.long)
+            if len(rows):
+                parts.append(b[rows.to(b.rewards.device)])
+                scores.append({k: v[rows] for k, v in f.items()})
+        filled = sum_over_ranks(torch.tensor([float(max(share - len(picks), 0)), float(len(rounds))],
+                                             device=self.device))
+        metrics = {"dynamic_sampling/rounds": float(len(rounds)),
+                   "dynamic_sampling/prompts_drawn": float(len(rounds) * cfg.prompts_per_step),
+                   "dynamic_sampling/filled_groups": float(filled[0])}
+        return (_cat_padded(parts, self.tokenizer.pad_token_id or 0),
+                {k: torch.cat([f[k] for f in scores]) for k in per_function}, metrics)
+
+    def _update_rewards(self, batch: Batch, per_function: dict[str, torch.Tensor]) -> Batch:
+        """The rewards the update sees: [B, K] per function with ``reward_aggregation="normalize_then_sum"``
+        (GDPO, weighted in ``compute_advantages``), clipped with ``reward_clip``. ``batch`` is left as scored."""
+        cfg = self.config
+        if cfg.reward_aggregation == "weighted_sum" and cfg.reward_clip is None:
+            return batch
+        updated = batch.clone(recurse=False)
+        if cfg.reward_aggregation == "normalize_then_sum":
+            updated.rewards = torch.stack(list(per_function.values()), -1).to(batch.rewards.device)
+            self.algorithm.reward_weights = cfg.reward_weights or [
+                float(getattr(f, "weight", 1.0)) for f in self.reward_functions]  # score_rewards' default
+        if cfg.reward_clip is not None:
+            updated.rewards = updated.rewards.clamp(*cfg.reward_clip)  # NaN stays NaN
+        return updated
+
+    def _after_update(self, step: int, metrics: dict[str, float]) -> None:
+        """Adaptive KL (``kl_target``: the next coefficient from this step's ``kl``; logs the one
+        used, ``kl_coef``) and the reference refresh of ``ref_model_sync_steps``."""
+        cfg = self.config
+        if cfg.kl_target is not None:
+            metrics["kl_coef"] = self.algorithm.kl_coef
+            if "kl" in metrics and math.isfinite(metrics["kl"]):  # the same float on every process
+                self.algorithm.kl_coef = adaptive_kl_coef(
+                    self.algorithm.kl_coef, metrics["kl"], target=cfg.kl_target, horizon=cfg.kl_horizon,
+                    num_steps=cfg.prompts_per_step * cfg.num_generations)  # sequences, as TRL and verl count
+        if cfg.ref_model_sync_steps and self.ref_model is not None and (step + 1) % cfg.ref_model_sync_steps == 0:
+            with torch.no_grad():
+                if self.strategy == "fsdp":  # both sharded alike: each local shard to its twin
+                    for ref, new in zip(self.ref_model.parameters(), self.model.parameters()):
+                        ref.copy_(new)
+                else:
+                    sync_weights(self.model, self.ref_model)
 
     def sample(self, step: int) -> tuple[Batch, dict[str, torch.Tensor]]:
         """Sample and score this process's batch of ``step``.
@@ -381,10 +482,10 @@ class RLTrainer:
         batch, prompts, rows = self._rollout(step)
         return batch, self._score(batch, prompts, rows)
 
-    def _rollout(self, step: int) -> tuple[Batch, list[str], list[dict[str, Any]]]:
+    def _rollout(self, step: int, sampling_round: int = 0) -> tuple[Batch, list[str], list[dict[str, Any]]]:
         """G completions of each of this process's prompts of ``step`` (with ``rollout_log_probs``)."""
         cfg = self.config
-        rows, ids = self._rows(step)
+        rows, ids = self._rows(step, sampling_round)
         if self.environment_factory is not None:  # multi-turn episodes
             return (*episodes.rollout_step(self, rows, ids), rows)
         prompts = [self._render(row["prompt"]) for row in rows]
@@ -418,7 +519,8 @@ class RLTrainer:
         counted = batch.clone(recurse=False)
         truncated = batch.truncated.to(batch.mask.device)
         counted.mask = batch.mask & ~truncated[:, None]
-        counted.rewards = batch.rewards.masked_fill(truncated.to(batch.rewards.device), float("nan"))
+        rows = truncated.to(batch.rewards.device).view(-1, *[1] * (batch.rewards.dim() - 1))  # [B] or [B, K]
+        counted.rewards = batch.rewards.masked_fill(rows, float("nan"))
         return counted
 
     def _reference_log_probs(self, batch: Batch) -> None:
@@ -428,6 +530,11 @@ class RLTrainer:
                 batch.ref_log_probs = self._log_probs_no_grad(self.ref_model, batch)
         if _flag(self.algorithm, "needs_old_log_probs_in_prepare"):
             batch.old_log_probs = self._log_probs_no_grad(self.model, batch)
+        if self.config.top_entropy_quantile < 1:  # the step's threshold: every counted token of every process
+            entropy = torch.cat([self._log_probs(self.model, part, grad=False, entropy=True)[1]
+                                 for part in self._micro_batches(batch)])
+            self.algorithm.entropy_threshold = entropy_threshold(
+                gather_over_ranks(entropy[batch.mask].float()), quantile=self.config.top_entropy_quantile)
 
     def _update(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
         """``num_iterations`` optimizer steps over every micro-batch; the last one's loss, metrics and grad norm."""
@@ -452,10 +559,12 @@ class RLTrainer:
             logged_gap = rollout_log_prob_gap(part.old_log_probs, part.rollout_log_probs, part.mask)
         else:
             logged_gap = {}
-        with self.algorithm.bind(part, aggregation), self._autocast_context():
+        weights, correction = self.algorithm.correction_weights(part, entropy)  # rollout_correction, top entropy
+        with self.algorithm.bind(part, aggregation, weights), self._autocast_context():
             out = self.algorithm.compute_loss(part)
             logged = self.algorithm.pop_metrics()
         loss, metrics = self._checked_loss_output(out)
+        logged_gap = {**logged_gap, **correction}
         if self.config.entropy_coef > 0:  # the entropy bonus, on the counted tokens, aggregated as the loss
             loss = loss - self.config.entropy_coef * aggregation(entropy, part.mask)
         return loss, {**metrics, **logged, **logged_gap, "entropy": masked_mean(entropy.detach(), part.mask)}
@@ -550,8 +659,7 @@ class RLTrainer:
         """
         path = self.output_dir / _CHECKPOINTS / f"step-{step:06d}"
         save_checkpoint(path, model=self.modules, optimizer=self.optimizer, scheduler=self.scheduler,
-                        extra={"step": step},
-                        trainable_only=self.peft_config is not None)  # LoRA: the adapters, not the base
+                        extra={"step": step, "kl_coef": self.algorithm.kl_coef})
         return path
 
     def evaluate(self) -> dict[str, float]:
@@ -586,8 +694,9 @@ class RLTrainer:
                 warnings.warn(f"RLTrainer: resume=True but {self.output_dir / _CHECKPOINTS} holds no "
                               "checkpoint; starting from step 0", stacklevel=2)
             return 0
-        extra = load_checkpoint(found[-1], model=self.modules, optimizer=self.optimizer, scheduler=self.scheduler,
-                                trainable_only=self.peft_config is not None)
+        extra = load_checkpoint(found[-1], model=self.modules, optimizer=self.optimizer, scheduler=self.scheduler)
+        if "kl_coef" in extra:  # the adaptive KL coefficient (kl_target) resumes where it was
+            self.algorithm.kl_coef = extra["kl_coef"]
         return int(extra["step"])
 
     def _stop_interrupted(self, last_saved: Path | None) -> None:
