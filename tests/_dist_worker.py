@@ -122,8 +122,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nproc: int, out_dir: Path, scenarios: list[str], timeout: float = 240) -> None:
-    """Start ``nproc`` workers with torchrun's environment; raise with their output on failure."""
+def spawn(worker: Path, args: list[str], nproc: int, timeout: float = 240) -> None:
+    """Start ``nproc`` processes of ``worker`` with torchrun's environment (gloo on this
+    machine); raise with their output when one fails or time runs out."""
     port = free_port()
     procs = []
     for r in range(nproc):
@@ -133,7 +134,7 @@ def launch(nproc: int, out_dir: Path, scenarios: list[str], timeout: float = 240
             OMP_NUM_THREADS="1",
         )
         procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), str(out_dir), *scenarios], env=env,
+            [sys.executable, str(worker), *args], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))
     outputs, failed = [], False
@@ -151,7 +152,12 @@ def launch(nproc: int, out_dir: Path, scenarios: list[str], timeout: float = 240
                 p.kill()
                 p.wait()
     if failed:
-        raise RuntimeError("distributed workers failed:\n" + "\n----\n".join(o[-4000:] for o in outputs))
+        raise RuntimeError(f"{Path(worker).name} workers failed:\n" + "\n----\n".join(o[-4000:] for o in outputs))
+
+
+def launch(nproc: int, out_dir: Path, scenarios: list[str], timeout: float = 240) -> None:
+    """Start ``nproc`` workers of this file running ``scenarios``."""
+    spawn(WORKER, [str(out_dir), *scenarios], nproc, timeout)
 
 
 # --- scenarios (run under the process group) ----------------------------------------------

@@ -8,8 +8,6 @@ environment; rank 0 writes ``OUT_DIR/<arch>.pt``.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -116,31 +114,9 @@ def build(name: str, seed: int = 0):
 
 def launch(nproc: int, out_dir: Path, archs: list[str], timeout: float = 300) -> None:
     """Start ``nproc`` workers with torchrun's environment; raise with their output on failure."""
-    from tests._dist_worker import free_port
+    from tests._dist_worker import spawn
 
-    port = free_port()
-    procs = []
-    for r in range(nproc):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out_dir), *archs], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs, failed = [], False
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outputs.append(out)
-            failed |= p.returncode != 0
-    except subprocess.TimeoutExpired:
-        failed = True
-        outputs.append("timed out")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if failed:
-        raise RuntimeError("distributed workers failed:\n" + "\n----\n".join(o[-4000:] for o in outputs))
+    spawn(WORKER, [str(out_dir), *archs], nproc, timeout)
 
 
 def global_batch(B: int = 4, P: int = 3, T: int = 5, seed: int = 1):

@@ -7,8 +7,6 @@ Run as ``python tests/loop/_episodes_worker.py OUT_FILE STRATEGY`` with torchrun
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -54,32 +52,9 @@ def play(model, tokenizer, row_ids: list[int]) -> list[dict]:
 
 def launch(nproc: int, out_file: Path, strategy: str, timeout: float = 240) -> None:
     """Start ``nproc`` workers with torchrun's environment; raise with their output on failure."""
-    sys.path.insert(0, str(WORKER.parents[2]))
-    from tests._dist_worker import free_port
+    from tests._dist_worker import spawn
 
-    port = free_port()
-    procs = []
-    for r in range(nproc):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out_file), strategy], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs, failed = [], False
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outputs.append(out)
-            failed |= p.returncode != 0
-    except subprocess.TimeoutExpired:
-        failed = True
-        outputs.append("timed out")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if failed:
-        raise RuntimeError("episode workers failed:\n" + "\n----\n".join(o[-4000:] for o in outputs))
+    spawn(WORKER, [str(out_file), strategy], nproc, timeout)
 
 
 def main() -> None:
