@@ -344,3 +344,36 @@ def test_rounds_of_different_lengths_concatenate_padded():
     assert both.rollout_log_probs.tolist() == [[-1.0, -2.0], [-3.0, 0.0]]
     assert both.prompt_tokens.tolist() == [[9, 1], [2, 3]] and both.prompt_mask.tolist() == [[False, True], [True, True]]
     assert both.rewards.tolist() == [1.0, 0.0] and both.truncated.tolist() == [False, True]
+
+
+# --- two processes ---------------------------------------------------------------------------
+
+def test_adaptive_kl_top_entropy_and_tis_on_two_processes_equal_one(tmp_path):
+    # the entropy threshold gathers every process's tokens and the KL coefficient follows the
+    # global kl: two processes log what one does
+    from tests.trainer.test_algorithms import _one_and_two_processes
+
+    runs = _one_and_two_processes(tmp_path, ["kl_target=0.001", "kl_horizon=100", "top_entropy_quantile=0.5",
+                                             "rollout_correction=tis"])
+    for a, b in zip(runs["one"], runs["two"]):
+        for key in ("loss", "kl_coef", "entropy_threshold", "frac_high_entropy", "rollout/is_weight_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    assert runs["one"][1]["kl_coef"] != runs["one"][0]["kl_coef"]
+
+
+def test_dynamic_sampling_rounds_are_decided_over_every_process(tmp_path, monkeypatch):
+    # this process is full after its first round, but another process (simulated: the sum over
+    # ranks adds its shortage of 1 group) is not: this one draws the same rounds, up to the limit
+    import torchforge.trainer.trainer as trainer_module
+
+    def with_a_short_process(x):
+        return x + 1.0
+
+    monkeypatch.setattr(trainer_module, "sum_over_ranks", with_a_short_process)
+    config = small_config(tmp_path, max_steps=1, kl_coef=0.0, dynamic_sampling=True, max_sampling_rounds=3)
+    metrics = RLTrainer(config=config, reward_functions=[_length_reward]).train_step(0)
+    assert metrics["dynamic_sampling/rounds"] == 3 and metrics["dynamic_sampling/prompts_drawn"] == 12
+    monkeypatch.undo()
+    metrics = RLTrainer(config=small_config(tmp_path / "alone", max_steps=1, kl_coef=0.0, dynamic_sampling=True,
+                                            max_sampling_rounds=3), reward_functions=[_length_reward]).train_step(0)
+    assert metrics["dynamic_sampling/rounds"] == 1 and metrics["frac_reward_zero_std"] == 0.0
