@@ -377,3 +377,15 @@ def test_dynamic_sampling_rounds_are_decided_over_every_process(tmp_path, monkey
     metrics = RLTrainer(config=small_config(tmp_path / "alone", max_steps=1, kl_coef=0.0, dynamic_sampling=True,
                                             max_sampling_rounds=3), reward_functions=[_length_reward]).train_step(0)
     assert metrics["dynamic_sampling/rounds"] == 1 and metrics["frac_reward_zero_std"] == 0.0
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ref_model_sync_steps_on_two_processes_equals_one(tmp_path, strategy):
+    # refreshed after every step: step 2 samples from the policy the reference now is, so its
+    # (on-policy, one pass) kl is exactly 0 on one process and on two; without the refresh it
+    # is > 0 (test_adaptive_kl_moves_the_coefficient_and_resumes_exactly)
+    from tests.trainer.test_algorithms import _one_and_two_processes
+
+    runs = _one_and_two_processes(tmp_path, ["ref_model_sync_steps=1", f"distributed_strategy={strategy}"])
+    assert runs["one"][1]["kl"] == runs["two"][1]["kl"] == 0.0
+    assert runs["two"][1]["loss"] == pytest.approx(runs["one"][1]["loss"], rel=1e-4, abs=1e-7)
