@@ -37,22 +37,21 @@ from torchforge.corrections import entropy_threshold, zero_std_groups
 from torchforge.distributed import (
     DistributedConfig,
     barrier,
+    export_pretrained,
     gather_over_ranks,
     init_distributed,
     is_main_process,
+    latest_checkpoint,
+    load_checkpoint,
     rank,
     reduce_metric_extrema,
     reduce_metric_sums,
+    save_checkpoint,
     shard,
     sum_over_ranks,
+    sync_weights,
     world_size,
 )
-from torchforge.distributed.checkpoint import (
-    export_pretrained,
-    load_checkpoint,
-    save_checkpoint,
-)
-from torchforge.distributed.weight_sync import sync_weights
 from torchforge.errors import InvalidArgumentError, TorchforgeError
 from torchforge.kl import adaptive_kl_coef
 from torchforge.loop import (
@@ -71,7 +70,13 @@ from torchforge.reduce import Aggregation, masked_mean
 from torchforge.trainer import episodes
 from torchforge.trainer.algorithms import Algorithm, algorithm_from_name
 from torchforge.trainer.config import RLConfig
-from torchforge.trainer.lora import adapters_disabled, apply_lora, export_merged, shard_lora
+from torchforge.trainer.lora import (
+    adapters_disabled,
+    apply_lora,
+    apply_lora_to_module,
+    export_merged,
+    shard_lora,
+)
 from torchforge.trainer.run_dir import RunInterrupted, StopOnInterrupt
 from torchforge.trainer.tracking import MetricsLogger
 
@@ -314,6 +319,8 @@ class RLTrainer:
             self.ref_model = self.model  # run under adapters_disabled: one copy of the base weights
         modules = {"policy": self.model}
         for name, module in self.algorithm.modules().items():
+            if self.peft_config is not None:  # LoRA: a copied decoder (PPO's critic) freezes, gets adapters
+                module = apply_lora_to_module(module, self.peft_config, seed=self.config.seed + 1)
             module = shard(module.to(self.device), **self._shard_kwargs)
             setattr(self.algorithm, name, module)  # the algorithm calls the sharded module
             modules[name] = module
@@ -643,11 +650,6 @@ class RLTrainer:
 
     # --- the run ------------------------------------------------------------------------------
 
-    def _checkpoint_dirs(self) -> list[Path]:
-        root = self.output_dir / _CHECKPOINTS
-        done = [p for p in root.glob("step-*") if (p / "rank_0.pt").exists()] if root.exists() else []
-        return sorted(done, key=lambda p: int(p.name.split("-")[1]))
-
     def save(self, step: int) -> Path:
         """Checkpoint everything needed to continue after ``step`` steps (every process calls this).
 
@@ -659,7 +661,8 @@ class RLTrainer:
         """
         path = self.output_dir / _CHECKPOINTS / f"step-{step:06d}"
         save_checkpoint(path, model=self.modules, optimizer=self.optimizer, scheduler=self.scheduler,
-                        extra={"step": step, "kl_coef": self.algorithm.kl_coef})
+                        extra={"step": step, "kl_coef": self.algorithm.kl_coef},
+                        trainable_only=self.peft_config is not None)  # LoRA: the adapters, not the base
         return path
 
     def evaluate(self) -> dict[str, float]:
@@ -688,13 +691,14 @@ class RLTrainer:
         Returns:
             int.
         """
-        found = self._checkpoint_dirs()
-        if not found:
+        latest = latest_checkpoint(self.output_dir / _CHECKPOINTS)
+        if latest is None:
             if is_main_process():
                 warnings.warn(f"RLTrainer: resume=True but {self.output_dir / _CHECKPOINTS} holds no "
                               "checkpoint; starting from step 0", stacklevel=2)
             return 0
-        extra = load_checkpoint(found[-1], model=self.modules, optimizer=self.optimizer, scheduler=self.scheduler)
+        extra = load_checkpoint(latest, model=self.modules, optimizer=self.optimizer, scheduler=self.scheduler,
+                                trainable_only=self.peft_config is not None)
         if "kl_coef" in extra:  # the adaptive KL coefficient (kl_target) resumes where it was
             self.algorithm.kl_coef = extra["kl_coef"]
         return int(extra["step"])
