@@ -30,7 +30,6 @@ from torchforge.errors import InvalidArgumentError, TorchforgeError
 REPO = Path(__file__).resolve().parents[2]
 
 
-
 def _max_diff(a: dict, b: dict) -> float:
     assert set(a) == set(b)
     return max((a[k] - b[k]).abs().max().item() for k in a)
