@@ -623,7 +623,7 @@ def cispo_loss(
             "clip_frac_high": _frac(ratio > 1 + clip_high, mask, count),
         }
         metrics.update(_ratio_metrics(log_ratio, ratio, mask, count, max_log_ratio, token_ratio=ratio))
-    return _aggregate(fn, pg_loss, mask, aggregation), metrics
+    return _aggregate(fn, pg_loss, mask, aggregation, count), metrics
 
 
 @batch_args
@@ -706,7 +706,7 @@ def sapo_loss(
         s = torch.sigmoid(tau * (ratio - 1))
         metrics = {"gate_weight_mean": masked_sum((4 * s * (1 - s)).expand(mask.shape), mask) / count}
         metrics.update(_ratio_metrics(log_ratio, ratio, mask, count, max_log_ratio, token_ratio=ratio))
-    return _aggregate(fn, pg_loss, mask, aggregation), metrics
+    return _aggregate(fn, pg_loss, mask, aggregation, count), metrics
 
 
 @batch_args
@@ -793,7 +793,7 @@ def gmpo_loss(
             "clip_frac_high": _frac((log_ratio > clip_high) & (A > 0), mask, count),
         }
         metrics.update(_ratio_metrics(log_ratio, ratio, mask, count, max_log_ratio))
-    return _aggregate(fn, pg_loss, mask, aggregation), metrics
+    return _aggregate(fn, pg_loss, mask, aggregation, count), metrics
 
 
 def _covariance(A, log_probs, mask) -> torch.Tensor:
@@ -982,7 +982,7 @@ def kl_cov_loss(
         count = mask.sum().clamp(min=1)
         metrics = {"kl_cov_frac": _frac(selected, mask, count), "kl_abs": masked_sum(log_ratio.abs(), mask) / count}
         metrics.update(_ratio_metrics(log_ratio, ratio, mask, count, max_log_ratio, token_ratio=ratio))
-    return _aggregate(fn, pg_loss, mask, aggregation), metrics
+    return _aggregate(fn, pg_loss, mask, aggregation, count), metrics
 
 
 @batch_args
