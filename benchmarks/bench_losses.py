@@ -50,14 +50,9 @@ from pathlib import Path
 
 import torch
 
-from torchforge.losses import (
-    clip_cov_loss,
-    gmpo_loss,
-    grpo_loss,
-    kl_cov_loss,
-    ppo_loss,
-    sapo_loss,
-)
+from torchforge.covariance_losses import clip_cov_loss, kl_cov_loss
+from torchforge.losses import grpo_loss, ppo_loss
+from torchforge.trust_region_losses import gmpo_loss, sapo_loss
 
 CLIP = 0.2
 BETA = 0.04

@@ -21,19 +21,10 @@ from tests.reference import (
 from torchforge.batch import Batch
 from torchforge.errors import DTypeError, InvalidArgumentError, ShapeError
 from torchforge.kl import approx_kl
-from torchforge.losses import (
-    RATIO_LEVELS,
-    cispo_loss,
-    clip_cov_loss,
-    gmpo_loss,
-    grpo_loss,
-    kl_cov_loss,
-    policy_ratio,
-    ppo_loss,
-    reinforce_loss,
-    sapo_loss,
-    value_loss,
-)
+from torchforge.covariance_losses import clip_cov_loss, kl_cov_loss
+from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss, value_loss
+from torchforge.ratios import RATIO_LEVELS, policy_ratio
+from torchforge.trust_region_losses import cispo_loss, gmpo_loss, sapo_loss
 from torchforge.reduce import (
     AGGREGATION_MODES,
     Aggregation,
@@ -567,7 +558,7 @@ def test_ppo_loss_compiles_with_inductor():
 
 @pytest.mark.parametrize("name", ["ppo_loss", "grpo_loss", "reinforce_loss", "cispo_loss"])
 def test_advantages_are_a_target_and_get_no_gradient(name):
-    import torchforge.losses as L
+    import torchforge as L
 
     lp = torch.log(torch.tensor([[0.5, 0.25]])).requires_grad_()
     adv = torch.tensor([1.5], requires_grad=True)

@@ -19,7 +19,10 @@ from torchforge.batch import Batch
 
 # The primitive layer of DESIGN.md; modules not written yet are skipped.
 BATCH_KEYS = set(Batch.__dataclass_fields__) - {"batch_size"}
-PRIMITIVE_MODULES = ("log_probs", "kl", "advantages", "losses", "corrections", "reduce", "batch", "errors")
+PRIMITIVE_MODULES = (
+    "log_probs", "kl", "advantages", "ratios", "losses", "trust_region_losses", "covariance_losses",
+    "corrections", "reduce", "batch", "errors",
+)
 # What a primitive may import besides the standard library and other primitives.
 PRIMITIVE_DEPENDENCIES = {"torch", "tensordict", "einops"}
 # Modules that provide the machinery rather than primitives that take batches.

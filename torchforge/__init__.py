@@ -30,28 +30,29 @@ from torchforge.corrections import (
     unscored_tokens,
     zero_std_groups,
 )
+from torchforge.covariance_losses import clip_cov_loss, kl_cov_loss
 from torchforge.distributed import (
     SHARDING_STRATEGIES,
     STRATEGIES,
     DistributedConfig,
     barrier,
     export_pretrained,
+    gather_over_ranks,
     generation_kwargs,
     global_counts,
     init_distributed,
     is_main_process,
-    launch,
     latest_checkpoint,
+    launch,
     load_checkpoint,
     rank,
-    reduce_metric_sums,
     reduce_metric_extrema,
-    sum_over_ranks,
-    gather_over_ranks,
+    reduce_metric_sums,
     rng_state,
     save_checkpoint,
     set_rng_state,
     shard,
+    sum_over_ranks,
     sync_weights,
     teardown_distributed,
     unwrap_model,
@@ -65,7 +66,13 @@ from torchforge.errors import (
     ShapeError,
     TorchforgeError,
 )
-from torchforge.kl import KL_ESTIMATORS, KL_GRADIENTS, adaptive_kl_coef, approx_kl, exact_kl
+from torchforge.kl import (
+    KL_ESTIMATORS,
+    KL_GRADIENTS,
+    adaptive_kl_coef,
+    approx_kl,
+    exact_kl,
+)
 from torchforge.log_probs import (
     FUSED_CHUNK_ELEMENTS,
     LOGITS_CHUNK_ELEMENTS,
@@ -73,19 +80,8 @@ from torchforge.log_probs import (
     token_entropy,
     token_log_probs,
 )
-from torchforge.losses import (
-    RATIO_LEVELS,
-    cispo_loss,
-    clip_cov_loss,
-    gmpo_loss,
-    grpo_loss,
-    kl_cov_loss,
-    policy_ratio,
-    ppo_loss,
-    reinforce_loss,
-    sapo_loss,
-    value_loss,
-)
+from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss, value_loss
+from torchforge.ratios import RATIO_LEVELS, policy_ratio
 from torchforge.reduce import (
     AGGREGATION_MODES,
     Aggregation,
@@ -98,6 +94,7 @@ from torchforge.reduce import (
     masked_whiten,
     pooled_var,
 )
+from torchforge.trust_region_losses import cispo_loss, gmpo_loss, sapo_loss
 
 # name -> module, imported on first access (they need transformers)
 _LAZY = {

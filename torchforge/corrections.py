@@ -37,6 +37,7 @@ from torchforge.errors import (
     check_tensor,
     shape_str,
 )
+from torchforge.ratios import _masked_log_ratio, _sequence_mean
 
 __all__ = [
     "truncated_importance_weights",
@@ -63,8 +64,7 @@ def _log_ratio(fn, old_log_probs, rollout_log_probs, mask) -> torch.Tensor:
     check_same_shape(fn, "rollout_log_probs", rollout_log_probs, "old_log_probs", old_log_probs)
     check_float(fn, "rollout_log_probs", rollout_log_probs)
     check_mask(fn, mask, "old_log_probs", old_log_probs)
-    diff = old_log_probs.detach().float() - rollout_log_probs.detach().float()
-    return torch.where(mask, diff, 0.0)
+    return _masked_log_ratio(old_log_probs.detach(), rollout_log_probs, mask)
 
 
 def _level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
@@ -74,10 +74,9 @@ def _level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) ->
     """
     if level == "token":
         return log_ratio
-    total = log_ratio.sum(-1, keepdim=True)
     if level == "sequence":
-        total = total / mask.sum(-1, keepdim=True).clamp(min=1)
-    return total.expand_as(log_ratio)
+        return _sequence_mean(log_ratio, mask).expand_as(log_ratio)
+    return log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
 
 
 @batch_args

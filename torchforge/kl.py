@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from torchforge.batch import batch_args
 from torchforge.errors import (
@@ -36,21 +37,20 @@ KL_GRADIENTS = ("estimator", "straight-through", "bias-corrected")
 
 
 def _k3(log_ratio: torch.Tensor, max_ratio: float) -> torch.Tensor:
-    """``k3 = r - 1 - log r`` with ``r = ref / pi = exp(-log_ratio)``, r continued along
-    its tangent beyond ``max_ratio``: ``r = max_ratio * (1 + log r - log max_ratio)`` there.
+    """``k3 = r - 1 - log r`` with ``r = ref / pi = exp(-log_ratio)``, continued along its
+    tangent beyond ``max_ratio``: ``r = max_ratio * (1 + log r - log max_ratio)`` there.
 
     Value and gradient are continuous; ``|d k3 / d log_ratio| = |1 - r'| <= max(1,
     max_ratio - 1)`` everywhere; exactly Schulman's k3 wherever ``r <= max_ratio``.
     """
-    # c = min(log r, log max_ratio), excess = log r - c >= 0 (the clamp passes the gradient
-    # at the knee, so only the exp branch does there); r - 1 - log r = e + (e + 1) excess -
-    # (c + excess) = e - c + e * excess with e = expm1(c). expm1 keeps k3 exact near 0.
-    log_r = -log_ratio
+    # With y = max(log_ratio, -log max_ratio): k3 = k3(y) + k3'(y) * (log_ratio - y), the
+    # tangent at y, which is k3 itself while y = log_ratio; k3(y) = expm1(-y) + y (expm1
+    # keeps it exact near 0) and k3'(y) = 1 - max_ratio beyond the knee. hardtanh with no
+    # upper bound is the clamp, with a backward of one kernel (torch.clamp's takes several).
     if math.isinf(max_ratio):  # Schulman's k3 as written
-        return torch.expm1(log_r) - log_r
-    c = log_r.clamp(max=math.log(max_ratio))
-    e = torch.expm1(c)
-    return e - c + e * (log_r - c)
+        return torch.expm1(-log_ratio) + log_ratio
+    y = F.hardtanh(log_ratio, -math.log(max_ratio), math.inf)
+    return torch.expm1(-y) + y + (1 - max_ratio) * (log_ratio - y)
 
 
 @batch_args

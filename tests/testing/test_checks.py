@@ -11,7 +11,8 @@ from hypothesis import settings
 from torchforge.advantages import group_advantages, rloo_advantages
 from torchforge.errors import InvalidArgumentError
 from torchforge.kl import KL_ESTIMATORS, approx_kl
-from torchforge.losses import cispo_loss, grpo_loss, ppo_loss, reinforce_loss
+from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss
+from torchforge.trust_region_losses import cispo_loss
 from torchforge.reduce import AGGREGATION_MODES, Aggregation, aggregate
 from torchforge.testing import (
     check_advantage_estimator,

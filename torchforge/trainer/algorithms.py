@@ -79,17 +79,9 @@ from torchforge.distributed import sum_over_ranks
 from torchforge.errors import TorchforgeError
 from torchforge.kl import approx_kl
 from torchforge.loop import ValueModel, micro_batches
-from torchforge.losses import (
-    cispo_loss,
-    clip_cov_loss,
-    gmpo_loss,
-    grpo_loss,
-    kl_cov_loss,
-    ppo_loss,
-    reinforce_loss,
-    sapo_loss,
-    value_loss,
-)
+from torchforge.covariance_losses import clip_cov_loss, kl_cov_loss
+from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss, value_loss
+from torchforge.trust_region_losses import cispo_loss, gmpo_loss, sapo_loss
 from torchforge.reduce import Aggregation, masked_mean, masked_whiten
 from torchforge.trainer.config import RLConfig
 

@@ -1,0 +1,274 @@
+"""Alternatives to PPO's hard token clip as the trust region: CISPO, SAPO, GMPO.
+
+- CISPO clips the importance *weight* and detaches it, so a clipped token keeps its
+  REINFORCE gradient (PPO's clip removes it);
+- SAPO replaces the clip by a smooth sigmoid gate of the ratio;
+- GMPO weighs a sequence by the geometric mean of its token ratios, clipped token by token
+  in log space.
+
+Same contract as :mod:`torchforge.losses`: ``(loss, metrics)``, float32, the
+``aggregation`` argument, nothing from masked positions, 0 on an empty batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchforge.batch import batch_args
+from torchforge.errors import check_non_negative, check_positive
+from torchforge.losses import _aggregate, _check_clip, _frac, _per_token, _token_count
+from torchforge.ratios import (
+    _check_log_probs,
+    _clamp_log_ratio,
+    _masked_log_ratio,
+    _ratio_metrics,
+    _sequence_mean,
+)
+from torchforge.reduce import Aggregation, masked_sum
+
+__all__ = ["cispo_loss", "gmpo_loss", "sapo_loss"]
+
+
+@batch_args
+def cispo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    clip_low: float,
+    clip_high: float,
+    max_log_ratio: float = 20.0,
+    aggregation: str | Aggregation = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO: REINFORCE weighted by the clipped, detached importance ratio.
+
+    ``pg_loss = -sg(clamp(ratio, 1 - clip_low, 1 + clip_high)) * A * log_probs`` with
+    the token ratio of :func:`policy_ratio`; ``loss = aggregate(weights * pg_loss,
+    mask)``. The weight is detached and the gradient flows through ``log_probs``, so a
+    clipped token still gets gradient ``-clamp(ratio) * A * grad log pi`` (PPO's clip
+    gives it none).
+
+    Args:
+        log_probs: [B, T] float log pi (carries grad).
+        old_log_probs: [B, T] float log pi_old (detached).
+        advantages: [B] or [B, T] float; detached.
+        mask: [B, T] bool, True = the token counts.
+        weights: optional [B] or [B, T] float per-token weights; detached.
+        clip_low: lower bound ``1 - clip_low`` on the weight; in [0, 1] (1 = no lower
+            bound, as in MiniMax-M1).
+        clip_high: upper bound ``1 + clip_high``; >= 0.
+        max_log_ratio: clamp on the log-ratio before ``exp``; > 0.
+        aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
+
+    Returns:
+        ``(loss, metrics)``: ``clip_frac_low`` / ``clip_frac_high`` (fraction of counted
+        tokens whose weight was clipped below / above, whatever the sign of A),
+        ``approx_kl``, ``ratio_mean``, ``ratio_min``, ``ratio_max`` as in :func:`ppo_loss`.
+
+    Example:
+        >>> import torch
+        >>> lp = torch.log(torch.tensor([[0.8]])).requires_grad_()
+        >>> old = torch.log(torch.tensor([[0.4]]))
+        >>> loss, _ = cispo_loss(lp, old, torch.tensor([1.0]), torch.tensor([[True]]),
+        ...                      clip_low=1.0, clip_high=0.2)
+        >>> loss.backward()
+        >>> lp.grad                           # ratio 2 clipped to 1.2: grad = -1.2 * A
+        tensor([[-1.2000]])
+
+    References:
+        MiniMax-M1, https://arxiv.org/abs/2506.13585
+    """
+    fn = "cispo_loss"
+    _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
+    clip_high = _check_clip(fn, clip_low, clip_high)
+    check_positive(fn, "max_log_ratio", max_log_ratio)
+    A = _per_token(fn, "advantages", advantages, log_probs)
+
+    log_ratio = _clamp_log_ratio(_masked_log_ratio(log_probs, old_log_probs, mask).detach(), max_log_ratio)
+    ratio = torch.exp(log_ratio)                                # exactly 1 where masked
+    lp = torch.where(mask, log_probs.float(), 0.0)
+    pg_loss = -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * A * lp
+    if weights is not None:
+        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs)
+
+    with torch.no_grad():
+        num_tokens, count = _token_count(mask)
+        metrics = {
+            "clip_frac_low": _frac(ratio < 1 - clip_low, count),
+            "clip_frac_high": _frac(ratio > 1 + clip_high, count),
+        }
+        metrics.update(_ratio_metrics(log_ratio, ratio, mask, num_tokens, count))
+    return _aggregate(fn, pg_loss, mask, aggregation, count), metrics
+
+
+@batch_args
+def sapo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    max_log_ratio: float = 20.0,
+    aggregation: str | Aggregation = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO: PPO's hard clip replaced by a smooth, temperature-controlled gate.
+
+    With the token ``ratio`` of :func:`policy_ratio`, ``A = advantages`` and
+    ``tau = tau_pos`` where ``A > 0``, else ``tau_neg``:
+
+    ``gate = (4 / tau) * sigmoid(tau * (ratio - 1))``, ``pg_loss = -A * gate``,
+    ``loss = aggregate(weights * pg_loss, mask)``.
+
+    The gradient is ``-A * w * ratio * grad log pi`` with ``w = 4 s (1 - s)``,
+    ``s = sigmoid(tau * (ratio - 1))``: ``w = 1`` on-policy (the plain policy gradient)
+    and decays smoothly as the ratio leaves 1, faster for the larger ``tau``.
+
+    Args:
+        log_probs: [B, T] float log pi (carries grad).
+        old_log_probs: [B, T] float log pi_old (detached).
+        advantages: [B] or [B, T] float; detached.
+        mask: [B, T] bool, True = the token counts.
+        weights: optional [B] or [B, T] float per-token weights; detached.
+        tau_pos: gate temperature where ``A > 0``; > 0.
+        tau_neg: gate temperature where ``A <= 0``; > 0 (the paper sets it above
+            ``tau_pos``: negative-advantage tokens are damped faster).
+        max_log_ratio: clamp on the log-ratio before ``exp``; > 0.
+        aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
+
+    Returns:
+        ``(loss, metrics)``: ``gate_weight_mean``, the masked mean of ``w``; ``approx_kl``,
+        ``ratio_mean``, ``ratio_min``, ``ratio_max`` as in :func:`ppo_loss`.
+
+    Example:
+        >>> import torch
+        >>> lp = torch.zeros(1, 2, requires_grad=True)
+        >>> mask = torch.ones(1, 2, dtype=torch.bool)
+        >>> loss, metrics = sapo_loss(lp, lp.detach(), torch.tensor([1.0]), mask)
+        >>> loss                              # gate(1) = (4 / tau) / 2 = 2 for tau = 1
+        tensor(-2., grad_fn=<DivBackward0>)
+        >>> loss.backward(); lp.grad          # on-policy: -A / 2 per token
+        tensor([[-0.5000, -0.5000]])
+
+    References:
+        SAPO, C. Gao et al., "Soft Adaptive Policy Optimization",
+        https://arxiv.org/abs/2511.20347
+
+    Note:
+        The defaults ``tau_pos = 1.0``, ``tau_neg = 1.05`` are TRL's. The gate's value
+        carries an offset ``2 / tau`` at ratio 1 (so the loss is not 0 on-policy); only
+        its gradient matters.
+    """
+    fn = "sapo_loss"
+    _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
+    check_positive(fn, "tau_pos", tau_pos)
+    check_positive(fn, "tau_neg", tau_neg)
+    check_positive(fn, "max_log_ratio", max_log_ratio)
+    A = _per_token(fn, "advantages", advantages, log_probs)
+
+    log_ratio = _clamp_log_ratio(_masked_log_ratio(log_probs, old_log_probs, mask), max_log_ratio)
+    ratio = torch.exp(log_ratio)                                # exactly 1 where masked
+    tau = torch.where(A > 0, tau_pos, tau_neg)
+    gate = (4 / tau) * torch.sigmoid(tau * (ratio - 1))
+    pg_loss = -A * gate
+    if weights is not None:
+        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs)
+
+    with torch.no_grad():
+        num_tokens, count = _token_count(mask)
+        s = torch.sigmoid(tau * (ratio - 1))
+        metrics = {"gate_weight_mean": masked_sum((4 * s * (1 - s)).expand(mask.shape), mask) / count}
+        metrics.update(_ratio_metrics(log_ratio, ratio, mask, num_tokens, count))
+    return _aggregate(fn, pg_loss, mask, aggregation, count), metrics
+
+
+@batch_args
+def gmpo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.4,
+    clip_high: float = 0.4,
+    max_log_ratio: float = 20.0,
+    aggregation: str | Aggregation = "seq-mean-token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO: the geometric mean of the token ratios, clipped token by token in log space.
+
+    With ``log_ratio = log_probs - old_log_probs`` (0 where ``mask`` is False) and
+    ``A = advantages``, each token's log-ratio is clipped on the side its advantage
+    pushes it (PPO's min, in log space):
+
+    ``clipped = min(log_ratio, clip_high)`` where ``A > 0``, ``max(log_ratio, -clip_low)``
+    where ``A < 0`` (0 where ``A == 0``); ``ratio_b = exp(sum_t clipped_bt / n_b)``,
+    ``A_b = sum_t A_bt / n_b`` (over the counted tokens), ``pg_loss_b = -A_b * ratio_b``
+    at every counted token of row b, ``loss = aggregate(pg_loss, mask)`` (by default
+    ``seq-mean-token-mean``: the mean over sequences, as in the paper).
+
+    Args:
+        log_probs: [B, T] float log pi (carries grad).
+        old_log_probs: [B, T] float log pi_old (detached).
+        advantages: [B] or [B, T] float; detached. The paper's advantages are per
+            sequence; per-token ones are averaged over the row (as verl does).
+        mask: [B, T] bool, True = the token counts.
+        clip_low: the log-ratio of a token with ``A < 0`` is kept above ``-clip_low``; >= 0.
+        clip_high: the log-ratio of a token with ``A > 0`` is kept below ``clip_high``; >= 0.
+        max_log_ratio: clamp on the sequence log-ratio before ``exp``; > 0.
+        aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
+
+    Returns:
+        ``(loss, metrics)``: ``clip_frac_low`` / ``clip_frac_high`` (fractions of counted
+        tokens clipped with ``A < 0`` / ``A > 0``); ``approx_kl`` from the token log-ratio;
+        ``ratio_mean``, ``ratio_min``, ``ratio_max`` of the sequence ratio ``ratio_b``
+        (each token counted).
+
+    Example:
+        >>> import torch
+        >>> lp = torch.tensor([[0.5, 0.1]], requires_grad=True)
+        >>> mask = torch.ones(1, 2, dtype=torch.bool)
+        >>> # A > 0: log-ratios 0.5 -> 0.4 and 0.1; ratio = exp((0.4 + 0.1) / 2)
+        >>> loss, _ = gmpo_loss(lp, torch.zeros(1, 2), torch.tensor([1.0]), mask)
+        >>> loss
+        tensor(-1.2840, grad_fn=<DivBackward0>)
+
+    References:
+        GMPO, Y. Zhao et al., "Geometric-Mean Policy Optimization",
+        https://arxiv.org/abs/2507.20673
+
+    Note:
+        The defaults ``clip_low = clip_high = 0.4`` are the paper's range
+        ``(e^-0.4, e^0.4)``; the bounds are in log space, unlike ``ppo_loss``'s. verl
+        averages the loss over every row (``torch.mean``), empty ones included; the
+        default aggregation here counts only rows with a counted token.
+    """
+    fn = "gmpo_loss"
+    _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
+    check_non_negative(fn, "clip_low", clip_low)
+    check_non_negative(fn, "clip_high", clip_high)
+    check_positive(fn, "max_log_ratio", max_log_ratio)
+    A = _per_token(fn, "advantages", advantages, log_probs).expand(mask.shape)
+
+    log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
+    clipped = torch.where(
+        A > 0, log_ratio.clamp(max=clip_high), torch.where(A < 0, log_ratio.clamp(min=-clip_low), 0.0)
+    )
+    ratio = torch.exp(_clamp_log_ratio(_sequence_mean(clipped, mask), max_log_ratio))
+    seq_A = _sequence_mean(torch.where(mask, A, 0.0), mask)
+    pg_loss = (-seq_A * ratio).expand(mask.shape)
+
+    with torch.no_grad():
+        # log_ratio is 0 where masked: neither clip flag holds there
+        num_tokens, count = _token_count(mask)
+        metrics = {
+            "clip_frac_low": _frac((log_ratio < -clip_low) & (A < 0), count),
+            "clip_frac_high": _frac((log_ratio > clip_high) & (A > 0), count),
+        }
+        token_log_ratio = _clamp_log_ratio(log_ratio, max_log_ratio)
+        metrics.update(_ratio_metrics(token_log_ratio, torch.exp(token_log_ratio), mask, num_tokens, count,
+                                      weighing_ratio=ratio))
+    return _aggregate(fn, pg_loss, mask, aggregation, count), metrics
