@@ -16,9 +16,11 @@ coefficient 0.04, all its metrics) against:
 - ``torchrl-style`` (PPO only): TorchRL's ``ClipPPOLoss`` objective (clamp in log space,
   gains stacked and min-reduced, clip fraction, kl_approx, effective sample size via
   logsumexp, masked selection before the mean);
-- ``before`` (with ``--before DIR``): the same function imported from an older copy of
-  ``torchforge/losses.py`` saved as ``DIR/old_losses.py`` (its KL from ``DIR/old_kl.py``),
-  to record a change before and after in one run.
+- ``minimal, bool mask``: the same, given the bool mask the losses take (converted to
+  float inside the timed region) instead of a float mask made beforehand;
+- ``NAME`` (with ``--before NAME=DIR``, repeatable): the same function imported from an
+  older copy of ``torchforge/losses.py`` saved as ``DIR/old_losses.py`` (importing its KL
+  from ``DIR/old_kl.py`` as ``old_kl``), to record a change before and after in one run.
 
 The new losses against their naive form (a direct re-implementation of the published
 per-token computation, as verl writes it: ``nonzero`` / ``randperm`` / ``topk`` with a
@@ -27,12 +29,12 @@ per-token computation, as verl writes it: ``nonzero`` / ``randperm`` / ``topk`` 
 The peer formulations are re-implementations written for this benchmark, following those
 libraries' published per-token computations; they are not their code.
 
-PPO and GRPO also run under ``torch.compile(fullgraph=True)`` (torchforge, before,
-minimal; ``--no-compile`` skips it). Reported: median ms, ratio to the minimal formula
+PPO and GRPO also run under ``torch.compile(fullgraph=True)`` (torchforge, the befores,
+the minimal formulas; ``--no-compile`` skips it). Reported: median ms, ratio to the minimal formula
 and to torchforge (same mode), and the bytes autograd saves for the backward (a
 device-independent proxy for peak memory; CUDA also reports the peak allocated).
 
-Usage: python benchmarks/bench_losses.py [--quick] [--no-compile] [--before DIR] [--device cuda] [--threads N]
+Usage: python benchmarks/bench_losses.py [--quick] [--no-compile] [--before NAME=DIR ...] [--device cuda] [--threads N]
 Writes benchmarks/results/losses.md.
 """
 
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import platform
 import statistics
@@ -64,11 +67,16 @@ def ppo_torchforge(lp, d):
     return ppo_loss(lp, d["old"], d["adv"], d["mask"], clip_low=CLIP)
 
 
-def ppo_minimal(lp, d):
+def ppo_minimal(lp, d, maskf=None):
+    maskf = d["maskf"] if maskf is None else maskf
     ratio = torch.exp(lp - d["old"])
     a = d["adv"][:, None]
     pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - CLIP, 1 + CLIP))
-    return (pg * d["maskf"]).sum() / d["maskf"].sum(), {}
+    return (pg * maskf).sum() / maskf.sum(), {}
+
+
+def ppo_minimal_bool(lp, d):
+    return ppo_minimal(lp, d, d["mask"].float())
 
 
 def _trl_terms(lp, d):
@@ -139,13 +147,18 @@ def grpo_torchforge(lp, d):
     return grpo_loss(lp, d["old"], d["adv"], d["mask"], d["ref"], kl_coef=BETA, clip_low=CLIP)
 
 
-def grpo_minimal(lp, d):
+def grpo_minimal(lp, d, maskf=None):
+    maskf = d["maskf"] if maskf is None else maskf
     ratio = torch.exp(lp - d["old"])
     a = d["adv"][:, None]
     pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - CLIP, 1 + CLIP))
     x = d["ref"] - lp
     kl = torch.exp(x) - x - 1
-    return ((pg + BETA * kl) * d["maskf"]).sum() / d["maskf"].sum(), {}
+    return ((pg + BETA * kl) * maskf).sum() / maskf.sum(), {}
+
+
+def grpo_minimal_bool(lp, d):
+    return grpo_minimal(lp, d, d["mask"].float())
 
 
 def grpo_trl(lp, d):
@@ -274,17 +287,31 @@ def machine() -> str:
         return platform.processor() or "unknown CPU"
 
 
-def load_before(directory: str):
-    """``old_losses`` from ``directory`` (an older copy of torchforge/losses.py)."""
-    sys.path.insert(0, str(Path(directory).resolve()))
-    return importlib.import_module("old_losses")
+def _load(module_name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # torch.compile looks functions' modules up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_before(name: str, directory: str):
+    """``old_losses`` from ``directory`` (an older copy of torchforge/losses.py, which
+    imports its KL as ``old_kl`` from the same folder), under module names unique to ``name``."""
+    if (Path(directory) / "old_kl.py").exists():
+        sys.modules["old_kl"] = _load(f"old_kl_{name}", Path(directory) / "old_kl.py")
+    try:
+        return _load(f"old_losses_{name}", Path(directory) / "old_losses.py")
+    finally:
+        sys.modules.pop("old_kl", None)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shape, few repeats")
     parser.add_argument("--no-compile", action="store_true", help="eager only")
-    parser.add_argument("--before", default=None, help="folder holding old_losses.py (and old_kl.py)")
+    parser.add_argument("--before", action="append", default=[], metavar="NAME=DIR",
+                        help="a variant NAME from DIR/old_losses.py (and DIR/old_kl.py); repeatable")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None,
@@ -310,19 +337,23 @@ def main():
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     groups = {
-        "ppo_loss": {"torchforge": ppo_torchforge, "minimal": ppo_minimal, "trl-style": ppo_trl,
-                     "verl-style": ppo_verl, "torchrl-style": ppo_torchrl},
-        "grpo_loss": {"torchforge": grpo_torchforge, "minimal": grpo_minimal, "trl-style": grpo_trl,
-                      "verl-style": grpo_verl},
+        "ppo_loss": {"torchforge": ppo_torchforge, "minimal": ppo_minimal, "minimal, bool mask": ppo_minimal_bool,
+                     "trl-style": ppo_trl, "verl-style": ppo_verl, "torchrl-style": ppo_torchrl},
+        "grpo_loss": {"torchforge": grpo_torchforge, "minimal": grpo_minimal, "minimal, bool mask": grpo_minimal_bool,
+                      "trl-style": grpo_trl, "verl-style": grpo_verl},
         "sapo_loss": {"torchforge": sapo_torchforge, "naive": sapo_naive},
         "gmpo_loss": {"torchforge": gmpo_torchforge, "naive": gmpo_naive},
         "clip_cov_loss": {"torchforge": clip_cov_torchforge, "naive": clip_cov_naive},
         "kl_cov_loss": {"torchforge": kl_cov_torchforge, "naive": kl_cov_naive},
     }
-    if args.before:
-        old_losses = load_before(args.before)
-        groups["ppo_loss"]["before"] = lambda lp, d: old_losses.ppo_loss(lp, d["old"], d["adv"], d["mask"], clip_low=CLIP)
-        groups["grpo_loss"]["before"] = lambda lp, d: old_losses.grpo_loss(
+    befores = []
+    for spec in args.before:
+        name, _, directory = spec.rpartition("=")
+        name = name or "before"
+        befores.append(name)
+        module = load_before(name.replace(" ", "_"), directory)
+        groups["ppo_loss"][name] = lambda lp, d, m=module: m.ppo_loss(lp, d["old"], d["adv"], d["mask"], clip_low=CLIP)
+        groups["grpo_loss"][name] = lambda lp, d, m=module: m.grpo_loss(
             lp, d["old"], d["adv"], d["mask"], d["ref"], kl_coef=BETA, clip_low=CLIP)
 
     # Same loss value from every formulation (their metrics differ by design); the
@@ -338,7 +369,7 @@ def main():
     runs = {(group, name, "eager"): fn for group, variants in groups.items() for name, fn in variants.items()}
     if not args.no_compile:
         for group in ("ppo_loss", "grpo_loss"):
-            for name in ("torchforge", "minimal", "before"):
+            for name in ("torchforge", "minimal", "minimal, bool mask", *befores):
                 if name in groups[group]:
                     runs[(group, name, "compiled")] = torch.compile(groups[group][name], fullgraph=True)
     times = {key: [] for key in runs}
@@ -385,11 +416,11 @@ def main():
         ("torchforge computes all its metrics inside the timed region (PPO: clip fractions low / "
          "high, k3 approx KL, ratio mean / min / max; GRPO: those and the mean KL); `minimal` "
          "computes the loss only; the peers compute their own metrics as their libraries do. "
-         "`before` (when the run was given `--before DIR`) is an older losses.py, "
+         "A `--before NAME=DIR` variant is an older losses.py, "
          "`DIR/old_losses.py`, timed in the same process."),
         "",
         (f"Run: `python benchmarks/bench_losses.py{' --threads ' + str(args.threads) if args.threads else ''}"
-         f"{' --before DIR' if args.before else ''}`."),
+         f"{''.join(f' --before {spec}' for spec in args.before)}`."),
         "",
     ]
     text = "\n".join(lines)

@@ -110,7 +110,7 @@ def approx_kl(
             ``"bias-corrected"``.
         max_ratio: ``r = ref / pi`` beyond which k3 continues along its tangent; > 1.
         max_log_ratio: clamp on ``log_probs - old_log_probs`` inside ``rho`` (as
-            :func:`~torchforge.losses.policy_ratio`); > 0.
+            :func:`~torchforge.ratios.policy_ratio`); > 0.
 
     Returns:
         [B, T] float32 per-token estimates (reduce them with ``aggregate``).
