@@ -1,4 +1,5 @@
-"""Tests for torchforge.losses: ratios, clipped surrogates, REINFORCE, CISPO, value loss."""
+"""Tests for torchforge.losses: PPO, GRPO, REINFORCE, value loss, and the contract every loss
+shares (empty mask, NaN at masked positions, empty batches, per-rank global counts, compile)."""
 
 import math
 
@@ -8,52 +9,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
+from tests._losses_common import _data, _grad
 from tests.reference import (
     aggregate_ref,
-    gmpo_loss_ref,
-    kl_cov_loss_ref,
     ppo_metrics_ref,
     ppo_per_token_ref,
-    sapo_per_token_ref,
     value_per_token_ref,
     verl_low_var_kl_ref,
 )
 from torchforge.batch import Batch
+from torchforge.covariance_losses import clip_cov_loss, kl_cov_loss
 from torchforge.errors import DTypeError, InvalidArgumentError, ShapeError
 from torchforge.kl import approx_kl
-from torchforge.covariance_losses import clip_cov_loss, kl_cov_loss
 from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss, value_loss
-from torchforge.ratios import RATIO_LEVELS, policy_ratio
+from torchforge.ratios import policy_ratio
+from torchforge.reduce import AGGREGATION_MODES, Aggregation, aggregate
 from torchforge.trust_region_losses import cispo_loss, gmpo_loss, sapo_loss
-from torchforge.reduce import (
-    AGGREGATION_MODES,
-    Aggregation,
-    aggregate,
-    masked_max,
-    masked_mean,
-    masked_min,
-    masked_sum,
-)
-from torchforge.testing import check_policy_loss
 
 SETTINGS = settings(max_examples=30, deadline=None)
 NAN = float("nan")
-
-
-def _data(B=4, T=6, seed=0, spread=0.3, p_mask=0.7, token_adv=False, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(B, T, generator=g) * 3
-    lp = old + spread * torch.randn(B, T, generator=g)
-    adv = torch.randn((B, T) if token_adv else (B,), generator=g)
-    mask = torch.rand(B, T, generator=g) < p_mask
-    return lp.to(dtype), old.to(dtype), adv, mask
-
-
-def _grad(fn, lp, *args, **kwargs):
-    lp = lp.clone().requires_grad_()
-    loss, metrics = fn(lp, *args, **kwargs)
-    loss.backward()
-    return loss.detach(), lp.grad, metrics
 
 
 def _all_losses():
@@ -176,31 +150,6 @@ def test_dual_clip_caps_loss_for_negative_advantages():
     assert ppo_loss(lp, old, -adv, mask, dual_clip=3.0)[0].item() == pytest.approx(-2.4, rel=1e-6)
 
 
-def test_gspo_sequence_ratio_and_gradient():
-    lp, old, adv, mask = _data(seed=5, spread=0.05)
-    mask[:, 0] = True
-    ratio = policy_ratio(lp, old, mask, level="sequence")
-    n = mask.sum(-1)
-    s = torch.exp(torch.where(mask, lp - old, 0.0).sum(-1) / n)
-    torch.testing.assert_close(ratio, s[:, None].expand_as(ratio))
-    # Gradient: the paper's sequence objective J = -(1/S) sum_b s_b A_b (all inside the
-    # clip here), s_b differentiated through the mean, equals ppo_loss's GSPO-token form
-    # with seq-mean-token-mean.
-    lp1 = lp.clone().requires_grad_()
-    s1 = torch.exp(torch.where(mask, lp1 - old, 0.0).sum(-1) / n)
-    (-(s1 * adv).mean()).backward()
-    loss, grad, metrics = _grad(ppo_loss, lp, old, adv, mask, ratio_level="sequence",
-                                aggregation="seq-mean-token-mean")
-    assert loss.item() == pytest.approx(-(s * adv).mean().item(), rel=1e-5)
-    torch.testing.assert_close(grad, lp1.grad, atol=1e-7, rtol=1e-5)
-    # policy_ratio's own gradient (GSPO-token): d ratio_bt / d lp_bt = s_b, nothing across tokens.
-    lp2 = lp.clone().requires_grad_()
-    policy_ratio(lp2, old, mask, level="sequence")[0, 0].backward()
-    expected = torch.zeros_like(lp); expected[0, 0] = s[0]
-    torch.testing.assert_close(lp2.grad, expected)
-    torch.testing.assert_close(metrics["ratio_mean"], (s * n).sum() / n.sum())
-
-
 def test_gspo_clips_whole_sequences():
     # Row 0: geometric mean ratio exp(0.5) = 1.65 > 1.2 with A > 0: every token clipped,
     # although token 1's own ratio (1.0) is inside.
@@ -208,20 +157,6 @@ def test_gspo_clips_whole_sequences():
     loss, grad, metrics = _grad(ppo_loss, lp, old, torch.ones(1), mask, ratio_level="sequence")
     assert loss.item() == pytest.approx(-1.2, rel=1e-6)
     assert grad.abs().sum() == 0 and metrics["clip_frac_high"].item() == 1.0
-
-
-def test_cispo_gradient_on_clipped_tokens():
-    # r = 2 (clipped to 1.3) and r = 0.5 (clipped to 0.8), A = +1 / -1; CISPO keeps a
-    # gradient -clip(r) A / N through log pi on both, where PPO gives 0.
-    lp = torch.log(torch.tensor([[0.8], [0.1]])); old = torch.log(torch.tensor([[0.4], [0.2]]))
-    adv = torch.tensor([1.0, -1.0]); mask = torch.ones(2, 1, dtype=torch.bool)
-    loss, grad, metrics = _grad(cispo_loss, lp, old, adv, mask, clip_low=0.2, clip_high=0.3)
-    torch.testing.assert_close(grad, torch.tensor([[-1.3 / 2], [0.8 / 2]]))
-    expected = (-1.3 * math.log(0.8) + 0.8 * math.log(0.1)) / 2
-    assert loss.item() == pytest.approx(expected, rel=1e-6)
-    assert metrics["clip_frac_high"].item() == 0.5 and metrics["clip_frac_low"].item() == 0.5
-    _, ppo_grad, _ = _grad(ppo_loss, lp, old, adv, mask, clip_high=0.3)
-    assert ppo_grad.abs().sum() == 0
 
 
 def test_reinforce_hand_derived():
@@ -591,52 +526,6 @@ def test_empty_batch_gives_zero_loss_zero_gradient_finite_metrics(name, shape, m
         assert torch.isfinite(value) and value.item() == 0, key
 
 
-# --- metrics: max / min ---------------------------------------------------------------
-
-def test_ratio_max_and_min_are_masked_extrema():
-    lp = torch.tensor([[0.5, -0.5, 9.0], [0.1, 0.2, 0.0]]); old = torch.zeros(2, 3)
-    mask = torch.tensor([[True, True, False], [True, True, False]])
-    _, m = ppo_loss(lp, old, torch.tensor([1.0, -1.0]), mask)
-    assert m["ratio_max"].item() == pytest.approx(math.exp(0.5), rel=1e-6)   # 9.0 is masked
-    assert m["ratio_min"].item() == pytest.approx(math.exp(-0.5), rel=1e-6)
-    assert "ratio_max" in m and "ratio_min" in m
-
-
-@pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
-@pytest.mark.parametrize("per_token_advantages", [False, True])
-@pytest.mark.parametrize("shift", [0.3, -0.3])
-def test_metrics_equal_the_masked_reductions(ratio_level, per_token_advantages, shift):
-    # Every counted ratio on one side of 1 (a masked position, ratio 1 there, must win
-    # neither extremum), NaN where masked, a fully masked row, clipped tokens of both signs.
-    g = torch.Generator().manual_seed(3)
-    old = -torch.rand(4, 7, generator=g) * 2
-    lp = old + shift + 0.4 * torch.rand(4, 7, generator=g) * (1 if shift > 0 else -1)
-    mask = torch.rand(4, 7, generator=g) > 0.3
-    mask[2] = False
-    A = torch.randn(4, 7, generator=g) if per_token_advantages else torch.tensor([1.0, -1.0, 2.0, -0.5])
-    lp, old = lp.masked_fill(~mask, float("nan")), old.masked_fill(~mask, float("nan"))
-    _, m = ppo_loss(lp, old, A, mask, ratio_level=ratio_level, dual_clip=1.2)
-
-    n = mask.sum()
-    lr = torch.where(mask, lp - old, 0.0)
-    ratio = policy_ratio(lp, old, mask, level=ratio_level)
-    token_ratio = torch.exp(lr)
-    A = A.unsqueeze(-1).expand(4, 7) if A.dim() == 1 else A
-    clipped = (((ratio < 0.8) & (A < 0)) | ((ratio > 1.2) & (A > 0))) & mask
-    expected = {
-        "clip_frac_low": masked_sum((clipped & (A < 0)).float(), mask) / n,
-        "clip_frac_high": masked_sum((clipped & (A > 0)).float(), mask) / n,
-        "dual_clip_frac": masked_sum(((ratio > 1.2) & (A < 0)).float(), mask) / n,
-        "approx_kl": masked_mean(token_ratio - 1 - lr, mask),
-        "ratio_mean": masked_mean(ratio, mask),
-        "ratio_min": masked_min(ratio, mask),
-        "ratio_max": masked_max(ratio, mask),
-    }
-    assert (expected["ratio_min"] > 1) if shift > 0 else (expected["ratio_max"] < 1)
-    for key, value in expected.items():
-        torch.testing.assert_close(m[key], value.float(), rtol=1e-6, atol=1e-7, msg=key)
-
-
 # --- the KL term of grpo_loss ------------------------------------------------------------
 
 def _kl_term_grad(lp, old, ref, mask, coef, **kwargs):
@@ -709,141 +598,6 @@ def test_grpo_kl_bad_inputs():
     lp, old, adv, mask = _data(2, 3)
     with pytest.raises(InvalidArgumentError, match="grpo_loss: kl_gradient is 'k2'; expected one of 'estimator'"):
         grpo_loss(lp, old, adv, mask, old, kl_coef=0.1, kl_gradient="k2")
-
-
-# --- SAPO -------------------------------------------------------------------------------
-
-def test_sapo_hand_derived():
-    # r = e^0.5 with A = 2 (tau_pos = 1): gate = 4 sigmoid(r - 1); r = 1 with A = -1
-    # (tau_neg = 1.05): gate = (4 / 1.05) / 2. Gradient: -A * 4 s (1 - s) * r / N.
-    lp = torch.tensor([[0.5, 0.0]]); old = torch.zeros(1, 2)
-    mask = torch.ones(1, 2, dtype=torch.bool)
-    loss, grad, m = _grad(sapo_loss, lp, old, torch.tensor([[2.0, -1.0]]), mask)
-    r = math.exp(0.5); s = 1 / (1 + math.exp(-(r - 1)))
-    assert loss.item() == pytest.approx((-2 * 4 * s + (4 / 1.05) / 2) / 2, rel=1e-6)
-    assert grad[0, 0].item() == pytest.approx(-2 * 4 * s * (1 - s) * r / 2, rel=1e-5)
-    assert grad[0, 1].item() == pytest.approx(1 * 1.0 / 2, rel=1e-5)
-    assert m["gate_weight_mean"].item() == pytest.approx((4 * s * (1 - s) + 1) / 2, rel=1e-6)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_sapo_matches_reference(seed):
-    lp, old, adv, mask = _data(5, 7, seed=seed, spread=0.5, token_adv=seed % 2 == 0)
-    loss, _ = sapo_loss(lp, old, adv, mask, tau_pos=0.7, tau_neg=1.3)
-    want = sapo_per_token_ref(lp, old, adv, mask, 0.7, 1.3).sum() / max(int(mask.sum()), 1)
-    assert loss.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
-
-
-def test_sapo_passes_the_policy_loss_checks():
-    check_policy_loss(sapo_loss, max_examples=10)
-
-
-def test_sapo_bad_inputs():
-    lp, old, adv, mask = _data(2, 3)
-    with pytest.raises(InvalidArgumentError, match="sapo_loss: tau_neg must be > 0, got 0"):
-        sapo_loss(lp, old, adv, mask, tau_neg=0)
-    with pytest.raises(ShapeError, match=r"sapo_loss: advantages has shape \(3,\)"):
-        sapo_loss(lp, old, torch.zeros(3), mask)
-
-
-# --- GMPO -------------------------------------------------------------------------------
-
-def test_gmpo_hand_derived_sign_aware_clip():
-    # Row 0, A = 1: log-ratios 0.5 -> 0.4 (clipped above), -0.9 (kept: A > 0 clips above
-    # only); ratio exp(-0.25). Row 1, A = -2: 0.5 kept, -0.9 -> -0.4; ratio exp(0.05).
-    lp = torch.tensor([[0.5, -0.9], [0.5, -0.9]]); old = torch.zeros(2, 2)
-    mask = torch.ones(2, 2, dtype=torch.bool)
-    loss, grad, m = _grad(gmpo_loss, lp, old, torch.tensor([1.0, -2.0]), mask)
-    r0, r1 = math.exp(-0.25), math.exp(0.05)
-    assert loss.item() == pytest.approx((-r0 + 2 * r1) / 2, rel=1e-6)
-    # d/d lp: -A_b * ratio_b / n_b / S where unclipped, 0 where clipped
-    expected = torch.tensor([[0.0, -r0 / 4], [2 * r1 / 4, 0.0]])
-    torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-8)
-    assert m["clip_frac_high"].item() == pytest.approx(0.25) and m["clip_frac_low"].item() == pytest.approx(0.25)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_gmpo_matches_reference(seed):
-    lp, old, adv, mask = _data(5, 7, seed=seed, spread=0.5, token_adv=seed % 2 == 1)
-    mask[0] = False
-    loss, _ = gmpo_loss(lp, old, adv, mask, clip_low=0.3, clip_high=0.2)
-    assert loss.item() == pytest.approx(gmpo_loss_ref(lp, old, adv, mask, 0.3, 0.2), rel=1e-5, abs=1e-6)
-
-
-def test_gmpo_passes_the_policy_loss_checks():
-    check_policy_loss(gmpo_loss, aggregation="seq-mean-token-mean", advantage_level="sequence", max_examples=10)
-
-
-def test_gmpo_bad_inputs():
-    lp, old, adv, mask = _data(2, 3)
-    with pytest.raises(InvalidArgumentError, match="gmpo_loss: clip_low must be >= 0, got -0.1"):
-        gmpo_loss(lp, old, adv, mask, clip_low=-0.1)
-
-
-# --- Clip-Cov and KL-Cov ----------------------------------------------------------------
-
-def test_clip_cov_detaches_the_drawn_tokens_only():
-    # cov = A * (lp + 4) = [6, 1, 1, 6] (means 0 and -4); band (0.5, 7), k = floor(0.5 * 4)
-    # = 2 of the 4 candidates are drawn: their gradient is 0, the others keep -A / N.
-    lp = torch.tensor([[-1.0, -3.0, -5.0, -7.0]]); A = torch.tensor([[2.0, 1.0, -1.0, -2.0]])
-    mask = torch.ones(1, 4, dtype=torch.bool)
-    seen = set()
-    for seed in range(12):
-        gen = torch.Generator().manual_seed(seed)
-        loss, grad, m = _grad(clip_cov_loss, lp, lp, A, mask, select_frac=0.5, cov_low=0.5, cov_high=7.0,
-                              generator=gen)
-        detached = grad[0] == 0
-        assert int(detached.sum()) == 2 and m["cov_clip_frac"].item() == 0.5
-        torch.testing.assert_close(grad[0][~detached], (-A[0] / 4)[~detached])
-        assert loss.item() == pytest.approx(-(2 + 1 - 1 - 2) / 4, abs=1e-7)  # the value is kept
-        seen.add(tuple(detached.tolist()))
-        # the same generator state draws the same tokens
-        _, grad2, _ = _grad(clip_cov_loss, lp, lp, A, mask, select_frac=0.5, cov_low=0.5, cov_high=7.0,
-                            generator=torch.Generator().manual_seed(seed))
-        torch.testing.assert_close(grad2, grad)
-    assert len(seen) > 1  # the draw is random
-
-
-def test_clip_cov_skips_tokens_ppo_already_clipped_and_outside_the_band():
-    # Token 0: ratio e^1 with A > 0, clipped by PPO; token 3: cov 6 outside (0.5, 5).
-    lp = torch.tensor([[-1.0, -3.0, -5.0, -7.0]]); old = lp.clone(); old[0, 0] -= 1.0
-    A = torch.tensor([[2.0, 1.0, -1.0, -2.0]]); mask = torch.ones(1, 4, dtype=torch.bool)
-    _, grad, m = _grad(clip_cov_loss, lp, old, A, mask, select_frac=1.0, cov_low=0.5, cov_high=5.0)
-    assert m["cov_clip_frac"].item() == 0.5  # tokens 1 and 2 (cov 1)
-    assert grad[0, 1] == 0 and grad[0, 2] == 0 and grad[0, 3] != 0
-
-
-def test_clip_cov_passes_the_policy_loss_checks_outside_its_band():
-    check_policy_loss(lambda *a: clip_cov_loss(*a, cov_low=1e6, cov_high=2e6), max_examples=10)
-
-
-def test_kl_cov_hand_derived_and_reference():
-    lp = torch.tensor([[-1.0, -2.0]]); old = torch.tensor([[-1.5, -2.0]])
-    mask = torch.ones(1, 2, dtype=torch.bool)
-    loss, grad, m = _grad(kl_cov_loss, lp, old, torch.tensor([[1.0, -1.0]]), mask, select_frac=0.5)
-    # token 0 (cov 0.5, first of the tie) penalized: d/dlp (-e^x + |x|) = -e^0.5 + 1; token 1: +1
-    torch.testing.assert_close(grad, torch.tensor([[(-math.exp(0.5) + 1) / 2, 0.5]]))
-    assert m["kl_cov_frac"].item() == 0.5 and m["kl_abs"].item() == pytest.approx(0.25)
-    for seed in range(4):
-        lp, old, adv, mask = _data(6, 8, seed=seed, spread=0.5, token_adv=seed % 2 == 0)
-        loss, _ = kl_cov_loss(lp, old, adv, mask, select_frac=0.1, kl_coef=0.7)
-        assert loss.item() == pytest.approx(kl_cov_loss_ref(lp, old, adv, mask, 0.1, 0.7), rel=1e-5, abs=1e-6)
-
-
-def test_kl_cov_passes_the_policy_loss_checks():
-    check_policy_loss(lambda *a: kl_cov_loss(*a, select_frac=0.2), max_examples=10)
-
-
-def test_cov_losses_bad_inputs():
-    lp, old, adv, mask = _data(2, 3)
-    with pytest.raises(InvalidArgumentError, match="clip_cov_loss: select_frac must be in \\(0, 1\\], got 0"):
-        clip_cov_loss(lp, old, adv, mask, select_frac=0)
-    with pytest.raises(InvalidArgumentError, match="clip_cov_loss: cov_low must be < cov_high"):
-        clip_cov_loss(lp, old, adv, mask, cov_low=5.0, cov_high=1.0)
-    with pytest.raises(InvalidArgumentError, match="kl_cov_loss: kl_coef must be >= 0, got -1"):
-        kl_cov_loss(lp, old, adv, mask, kl_coef=-1)
-    with pytest.raises(ShapeError, match=r"kl_cov_loss: old_log_probs has shape \(2, 2\)"):
-        kl_cov_loss(lp, old[:, :2], adv, mask)
 
 
 def test_new_losses_compile_fullgraph_and_match_eager():
