@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests._losses_common import _data, _grad
+from torchforge.errors import InvalidArgumentError, ShapeError
 from torchforge.losses import ppo_loss
 from torchforge.ratios import RATIO_LEVELS, policy_ratio
 from torchforge.reduce import masked_max, masked_mean, masked_min, masked_sum
@@ -81,3 +82,13 @@ def test_metrics_equal_the_masked_reductions(ratio_level, per_token_advantages, 
     assert (expected["ratio_min"] > 1) if shift > 0 else (expected["ratio_max"] < 1)
     for key, value in expected.items():
         torch.testing.assert_close(m[key], value.float(), rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_policy_ratio_bad_inputs():
+    lp, old, _, mask = _data(4, 6)
+    with pytest.raises(InvalidArgumentError, match="policy_ratio: max_log_ratio must be > 0"):
+        policy_ratio(lp, old, mask, max_log_ratio=0)
+    with pytest.raises(InvalidArgumentError, match="policy_ratio: level is 'seq'; expected one of 'token', 'sequence'"):
+        policy_ratio(lp, old, mask, level="seq")
+    with pytest.raises(ShapeError, match=r"policy_ratio: old_log_probs has shape \(4, 5\) but log_probs"):
+        policy_ratio(lp, old[:, :5], mask)

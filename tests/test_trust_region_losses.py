@@ -95,3 +95,11 @@ def test_gmpo_bad_inputs():
     lp, old, adv, mask = _data(2, 3)
     with pytest.raises(InvalidArgumentError, match="gmpo_loss: clip_low must be >= 0, got -0.1"):
         gmpo_loss(lp, old, adv, mask, clip_low=-0.1)
+
+
+def test_cispo_bad_inputs():
+    lp, old, adv, mask = _data(4, 6)
+    with pytest.raises(TypeError):
+        cispo_loss(lp, old, adv, mask)  # clip_low and clip_high are required
+    with pytest.raises(InvalidArgumentError, match="cispo_loss: clip_low must be in \\[0, 1\\], got 1.5"):
+        cispo_loss(lp, old, adv, mask, clip_low=1.5, clip_high=0.2)
