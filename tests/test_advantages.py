@@ -501,6 +501,54 @@ def test_zero_std_groups_are_exactly_the_zero_advantage_groups(groups, G, seed, 
     assert (adv[~per_group].abs().amax(-1) > 0.1).all()  # a group that is not tied has signal
 
 
+@pytest.mark.parametrize("G", [12, 16, 32, 64])
+def test_large_groups_match_reference(G):
+    # groups larger than 8 take the group maximum in steps (max-pools of 4): same values
+    g = torch.Generator().manual_seed(G)
+    r = torch.randint(0, 4, (5 * G,), generator=g).float() / 4 + 1e4
+    r[:G] = 1e4 + 0.5  # one tied group
+    r[torch.rand(5 * G, generator=g) < 0.2] = NAN
+    r[G:2 * G] = NAN  # one group without a finite reward
+    r[2 * G + G - 1] = 2e4  # the maximum at a group's last row
+    for scale in ("group", "batch", "none"):
+        adv = group_advantages(r, group_size=G, scale=scale)
+        _close(adv, group_advantages_ref(r, G, scale, 1e-6), rel=1e-5)
+        assert adv[:2 * G].eq(0).all()
+    _close(rloo_advantages(r, group_size=G), rloo_advantages_ref(r, G))
+    assert torch.equal(zero_std_groups(r, group_size=G), zero_std_groups_ref(r, G))
+
+
+def test_signed_zero_rewards_give_no_negative_zero():
+    # [0.0, -0.0]: max = 0.0 and -0.0 - 0.0 = -0.0; the deviations are r + (0 - max) = +0.0
+    r = torch.tensor([0.0, -0.0, -0.0, 0.0, 1.0, -0.0, -0.0, NAN])
+    outs = [group_advantages(r, group_size=2, scale=s) for s in ("group", "batch", "none")]
+    outs += [rloo_advantages(r, group_size=2), group_advantages(r, group_ids=torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))]
+    for adv in outs:
+        assert adv[:4].eq(0).all() and not adv[adv == 0].signbit().any(), adv
+
+
+@pytest.mark.parametrize("estimator", ["group", "batch", "none", "rloo"])
+def test_group_estimators_pass_gradients(estimator):
+    # d sum(w * A) / d r against the same estimator written with plain mean / std (no NaN, no ties)
+    g = torch.Generator().manual_seed(3)
+    r = torch.randn(4 * 5, generator=g) + 1e3
+    w = torch.randn(4 * 5, generator=g)
+    ours = r.clone().requires_grad_()
+    if estimator == "rloo":
+        adv = rloo_advantages(ours, group_size=5)
+    else:
+        adv = group_advantages(ours, group_size=5, scale=estimator)
+    (adv * w).sum().backward()
+    plain = r.double().requires_grad_()
+    x = plain.view(4, 5)
+    centered = x - x.mean(1, keepdim=True)
+    expected = {"group": centered / (x.std(1, keepdim=True) + 1e-6), "batch": centered / (plain.std() + 1e-6),
+                "none": centered, "rloo": centered * 5 / 4}[estimator]
+    (expected.reshape(-1) * w.double()).sum().backward()
+    torch.testing.assert_close(ours.grad.double(), plain.grad, rtol=1e-4, atol=1e-4)
+    assert ours.grad.abs().sum() > 0.1
+
+
 # --- group_ids ------------------------------------------------------------------------------
 
 def _estimators(mask):
