@@ -43,7 +43,7 @@ from torchforge.errors import (
     shape_str,
 )
 from torchforge.kl import approx_kl
-from torchforge.reduce import _over_ranks, masked_var, masked_whiten
+from torchforge.reduce import masked_var, masked_whiten, pooled_var
 
 __all__ = [
     "GROUP_SCALES",
@@ -221,26 +221,6 @@ def _centered(groups: _Groups, rewards: torch.Tensor):
     return torch.addcmul(d, valid, groups.expand(mean_d), value=-1), n, neg_high, mean_d
 
 
-def _pooled_batch_var(fn: str, centered: torch.Tensor, n: torch.Tensor, mean_g: torch.Tensor, sum_over_ranks):
-    """Unbiased variance of every finite reward of the batch (of every rank through
-    ``sum_over_ranks``), pooled from the groups (Chan et al.).
-
-    With ``N = sum_g n_g`` and ``mean = sum_g n_g mean_g / N``:
-    ``var = (sum centered^2 + sum_g n_g (mean_g - mean)^2) / (N - 1)`` (0 for N < 2), the
-    group sums in float64 (``mean_g`` [groups] float64) and in two rounds over the ranks (the
-    mean, then the deviations about it), so an offset of 1e4 costs no precision. The
-    formula of :func:`torchforge.reduce.pooled_var`, but with the within-group part as one
-    dot product over [B] (pooled_var takes it per group: one more pass) and the group sums
-    as dot products: fewer, smaller ops, which matter here next to a few [B] passes.
-    """
-    n64 = n.double().view(-1)
-    N, total = _over_ranks(fn, sum_over_ranks, n64.sum(), n64 @ mean_g.view(-1))
-    dev = mean_g.view(-1) - total / N.clamp(min=1)
-    flat = centered.reshape(-1)
-    (m2,) = _over_ranks(fn, sum_over_ranks, (flat @ flat).double() + (n64 * dev) @ dev)
-    return (m2 / (N - 1).clamp(min=1)).float()  # N < 2: m2 is 0
-
-
 def _batch_std(values: torch.Tensor, mask: torch.Tensor, sum_over_ranks) -> torch.Tensor:
     """Unbiased std of ``values`` over ``mask`` (over every rank through ``sum_over_ranks``);
     [K] stds of the K columns of [B, K] values."""
@@ -332,9 +312,9 @@ def group_advantages(
         ``multi_objective_aggregation="normalize_then_sum"`` (group std + eps, weighted
         ``nansum``, batch std + eps), except that TRL also subtracts the batch mean of ``s``
         (0 up to rounding), which leaves a residue of ~1e-7 on all-tied groups.
-        ``std_batch`` of [B] rewards is pooled from the groups' counts and means and the
-        squared deviations ``(r - mean_g)^2`` (as :func:`torchforge.reduce.pooled_var`),
-        equal to ``masked_var`` of all finite rewards without another pass over them.
+        ``std_batch`` of [B] rewards is pooled from the groups' counts, means and squared
+        deviations (:func:`torchforge.reduce.pooled_var`), equal to ``masked_var`` of all
+        finite rewards without another pass over them.
         ``group_ids`` in [0, B) index a table directly; other ids are first made dense
         with ``torch.unique`` (a sort). With ``group_ids`` the function synchronizes with
         the device once and does not compile with ``fullgraph=True``.
@@ -369,7 +349,7 @@ def group_advantages(
         advantages = centered * groups.expand(_scale_factor(std_g, eps))
     elif scale == "batch" and rewards.dim() == 1:  # the batch variance pooled from the groups'
         mean_g = mean_d.double() - torch.nan_to_num(neg_high.double(), posinf=0.0)  # no reward: 0
-        var = _pooled_batch_var(fn, centered, n, mean_g, sum_over_ranks)
+        var = pooled_var(n, mean_g, groups.sum(centered.square()), sum_over_ranks=sum_over_ranks)
         advantages = centered * _scale_factor(var.sqrt(), eps)
     elif scale == "batch":
         advantages = centered * _scale_factor(_batch_std(rewards, torch.isfinite(rewards), sum_over_ranks), eps)

@@ -300,10 +300,10 @@ def pooled_var(
             f"{fn}: counts, means and m2 have shapes {tuple(counts.shape)}, {tuple(means.shape)} and "
             f"{tuple(m2.shape)}; expected one shape (one entry per part)"
         )
-    n_i, mean_i = counts.double(), means.double()
-    n, total = _over_ranks(fn, sum_over_ranks, n_i.sum(), (n_i * mean_i).sum())
-    mean = total / n.clamp(min=1)
-    (m2_sum,) = _over_ranks(fn, sum_over_ranks, m2.double().sum() + (n_i * (mean_i - mean).square()).sum())
+    n_i, mean_i = counts.double().flatten(), means.double().flatten()
+    n, total = _over_ranks(fn, sum_over_ranks, n_i.sum(), n_i @ mean_i)
+    deviation = mean_i - total / n.clamp(min=1)               # mean_i - mean
+    (m2_sum,) = _over_ranks(fn, sum_over_ranks, m2.double().sum() + (n_i * deviation) @ deviation)
     denominator = n - 1 if unbiased else n
     return torch.where(denominator > 0, m2_sum.clamp(min=0) / denominator.clamp(min=1), 0.0).float()
 
