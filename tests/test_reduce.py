@@ -567,6 +567,8 @@ def test_pooled_var_equals_masked_var_of_the_union(parts, seed, offset):
     union = torch.cat(chunks)
     expected = union.var() if union.numel() > 1 else torch.tensor(0.0, dtype=torch.float64)
     torch.testing.assert_close(pooled_var(n, mean, m2).double(), expected, rtol=1e-6, atol=1e-12)
+    # m2 as its total over the parts: the same variance
+    torch.testing.assert_close(pooled_var(n, mean, m2.sum()).double(), expected, rtol=1e-6, atol=1e-12)
 
 
 def test_pooled_var_over_ranks_equals_one_process():
@@ -600,5 +602,7 @@ def test_pooled_var_over_ranks_equals_one_process():
 def test_pooled_var_bad_input():
     with pytest.raises(ShapeError, match=r"pooled_var: counts, means and m2 have shapes \(2,\), \(3,\)"):
         pooled_var(torch.ones(2), torch.ones(3), torch.ones(2))
+    with pytest.raises(ShapeError, match=r"pooled_var: .* and \(3,\); expected one shape .*m2 possibly a scalar"):
+        pooled_var(torch.ones(2), torch.ones(2), torch.ones(3))
     with pytest.raises(InvalidArgumentError, match="pooled_var: sum_over_ranks is a int"):
         pooled_var(torch.ones(2), torch.ones(2), torch.ones(2), sum_over_ranks=3)

@@ -349,7 +349,8 @@ def group_advantages(
         advantages = centered * groups.expand(_scale_factor(std_g, eps))
     elif scale == "batch" and rewards.dim() == 1:  # the batch variance pooled from the groups'
         mean_g = mean_d.double() - torch.nan_to_num(neg_high.double(), posinf=0.0)  # no reward: 0
-        var = pooled_var(n, mean_g, groups.sum(centered.square()), sum_over_ranks=sum_over_ranks)
+        flat = centered.flatten()
+        var = pooled_var(n, mean_g, flat @ flat, sum_over_ranks=sum_over_ranks)  # m2: the total over the groups
         advantages = centered * _scale_factor(var.sqrt(), eps)
     elif scale == "batch":
         advantages = centered * _scale_factor(_batch_std(rewards, torch.isfinite(rewards), sum_over_ranks), eps)

@@ -270,7 +270,8 @@ def pooled_var(
         counts: [P] (any shape) number of values of each part (float or int, >= 0).
         means: mean of each part, the shape of ``counts``; any finite value where the
             count is 0.
-        m2: sum of the squared deviations from its mean of each part, the shape of ``counts``.
+        m2: sum of the squared deviations from its mean of each part, the shape of
+            ``counts``; or their total, a scalar (only the total enters ``M2``).
         unbiased: apply Bessel's correction.
         sum_over_ranks: sums a tensor over every rank
             (``torchforge.distributed.sum_over_ranks``): the variance of the parts of
@@ -295,10 +296,10 @@ def pooled_var(
     for name, x in (("counts", counts), ("means", means), ("m2", m2)):
         _check_not_batch(fn, name, x)
         check_tensor(fn, name, x)
-    if not (counts.shape == means.shape == m2.shape):
+    if not (counts.shape == means.shape and m2.shape in (counts.shape, ())):
         raise ShapeError(
             f"{fn}: counts, means and m2 have shapes {tuple(counts.shape)}, {tuple(means.shape)} and "
-            f"{tuple(m2.shape)}; expected one shape (one entry per part)"
+            f"{tuple(m2.shape)}; expected one shape (one entry per part), m2 possibly a scalar (the total)"
         )
     n_i, mean_i = counts.double().flatten(), means.double().flatten()
     n, total = _over_ranks(fn, sum_over_ranks, n_i.sum(), n_i @ mean_i)
