@@ -1,4 +1,4 @@
-"""Tests for torchforge.losses: PPO, GRPO, REINFORCE, value loss, and the contract every loss
+"""Tests for torchforge.losses: PPO, GRPO, REINFORCE, and the contract every loss
 shares (empty mask, NaN at masked positions, empty batches, per-rank global counts, compile)."""
 
 import math
@@ -14,17 +14,17 @@ from tests.reference import (
     aggregate_ref,
     ppo_metrics_ref,
     ppo_per_token_ref,
-    value_per_token_ref,
     verl_low_var_kl_ref,
 )
 from torchforge.batch import Batch
 from torchforge.covariance_losses import clip_cov_loss, kl_cov_loss
 from torchforge.errors import DTypeError, InvalidArgumentError, ShapeError
 from torchforge.kl import approx_kl
-from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss, value_loss
+from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss
 from torchforge.ratios import policy_ratio
 from torchforge.reduce import AGGREGATION_MODES, Aggregation, aggregate
 from torchforge.trust_region_losses import cispo_loss, gmpo_loss, sapo_loss
+from torchforge.value_losses import value_loss
 
 SETTINGS = settings(max_examples=30, deadline=None)
 NAN = float("nan")
@@ -168,20 +168,6 @@ def test_reinforce_hand_derived():
     torch.testing.assert_close(grad, torch.tensor([[-1.0], [0.5]]))
 
 
-def test_value_loss_hand_derived():
-    # token 0: v = 1 from v_old = 0, R = 2, eps = 0.2: max((1-2)^2, (0.2-2)^2) = 3.24 -> 1.62,
-    #          clipped term active: zero gradient.
-    # token 1: v = 0.5, v_old = 0.4, R = 0: max(0.25, 0.25) -> 0.125, gradient (v - R) / N.
-    v = torch.tensor([[1.0, 0.5]]); v_old = torch.tensor([[0.0, 0.4]]); ret = torch.tensor([[2.0, 0.0]])
-    mask = torch.ones(1, 2, dtype=torch.bool)
-    loss, grad, metrics = _grad(value_loss, v, v_old, ret, mask)
-    assert loss.item() == pytest.approx((1.62 + 0.125) / 2, rel=1e-6)
-    torch.testing.assert_close(grad, torch.tensor([[0.0, 0.25]]))
-    assert metrics["clip_frac"].item() == 0.5
-    loss, grad, _ = _grad(value_loss, v, v_old, ret, mask, clip=None)
-    assert loss.item() == pytest.approx((0.5 + 0.125) / 2, rel=1e-6)
-
-
 def test_grpo_adds_kl_aggregated_the_same_way():
     lp, old, adv, mask = _data(seed=8)
     ref = old - 0.2
@@ -217,18 +203,6 @@ def test_ppo_matches_reference(B, T, seed, mode, token_adv, clip_high, dual_clip
         assert set(metrics) == set(ref)
         for key, value in ref.items():
             assert metrics[key].item() == pytest.approx(value, rel=1e-5, abs=1e-6), key
-
-
-@given(B=st.integers(1, 5), T=st.integers(1, 7), seed=st.integers(0, 10_000),
-       mode=st.sampled_from(AGGREGATION_MODES), clip=st.sampled_from([None, 0.1, 0.5]))
-@SETTINGS
-def test_value_loss_matches_reference(B, T, seed, mode, clip):
-    g = torch.Generator().manual_seed(seed)
-    v, v_old, ret = torch.randn(3, B, T, generator=g)
-    mask = torch.rand(B, T, generator=g) < 0.6
-    loss, _ = value_loss(v, v_old, ret, mask, clip=clip, aggregation=mode)
-    expected = aggregate_ref(torch.tensor(value_per_token_ref(v, v_old, ret, mask, clip)), mask, mode)
-    assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
 # --- properties shared by every loss ----------------------------------------------------
@@ -422,10 +396,6 @@ def test_bad_inputs():
         grpo_loss(lp, old, adv, mask, kl_estimator="k4")
     with pytest.raises(DTypeError, match="reinforce_loss: advantages has dtype torch.int64"):
         reinforce_loss(lp, torch.ones(4, dtype=torch.long), mask)
-    with pytest.raises(InvalidArgumentError, match="value_loss: clip must be >= 0, got -1"):
-        value_loss(lp, old, old, mask, clip=-1)
-    with pytest.raises(ShapeError, match=r"value_loss: returns has shape \(4, 5\) but values has shape \(4, 6\)"):
-        value_loss(lp, old, old[:, :5], mask)
 
 
 def test_extreme_log_ratios_stay_finite():

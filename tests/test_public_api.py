@@ -20,7 +20,7 @@ from torchforge.batch import Batch
 # The primitive layer of DESIGN.md; modules not written yet are skipped.
 BATCH_KEYS = set(Batch.__dataclass_fields__) - {"batch_size"}
 PRIMITIVE_MODULES = (
-    "log_probs", "kl", "advantages", "ratios", "losses", "trust_region_losses", "covariance_losses",
+    "log_probs", "kl", "advantages", "ratios", "losses", "trust_region_losses", "covariance_losses", "value_losses",
     "corrections", "reduce", "batch", "errors",
 )
 # What a primitive may import besides the standard library and other primitives.

@@ -80,7 +80,7 @@ from torchforge.log_probs import (
     token_entropy,
     token_log_probs,
 )
-from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss, value_loss
+from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss
 from torchforge.ratios import RATIO_LEVELS, policy_ratio
 from torchforge.reduce import (
     AGGREGATION_MODES,
@@ -95,6 +95,7 @@ from torchforge.reduce import (
     pooled_var,
 )
 from torchforge.trust_region_losses import cispo_loss, gmpo_loss, sapo_loss
+from torchforge.value_losses import value_loss
 
 # name -> module, imported on first access (they need transformers)
 _LAZY = {

@@ -1,4 +1,4 @@
-"""PPO-family losses: the clipped surrogate (PPO, GRPO), REINFORCE and the clipped value loss.
+"""Policy losses of the PPO family: the clipped surrogate (PPO, GRPO) and REINFORCE.
 
 Every loss returns ``(loss, metrics)``: a float32 scalar, and a dict of detached float32
 scalar tensors (no ``.item()``, so the losses compile with ``torch.compile(fullgraph=True)``
@@ -15,7 +15,8 @@ how the counts make the loss exact across micro-batches and ranks.
 
 The alternatives to PPO's clip live beside this module: CISPO, SAPO and GMPO in
 :mod:`torchforge.trust_region_losses`, Clip-Cov and KL-Cov in
-:mod:`torchforge.covariance_losses`; the ratios in :mod:`torchforge.ratios`.
+:mod:`torchforge.covariance_losses`; the ratios in :mod:`torchforge.ratios`; the critic's
+loss in :mod:`torchforge.value_losses`.
 
 Numerics: float32 maths whatever the input dtype; positions where ``mask`` is False never
 reach the loss, the metrics or the gradient (a NaN there does not leak); an empty mask,
@@ -35,7 +36,6 @@ from torchforge.errors import (
     ShapeError,
     check_choice,
     check_float,
-    check_mask,
     check_non_negative,
     check_positive,
     check_same_shape,
@@ -53,12 +53,7 @@ from torchforge.ratios import (
 )
 from torchforge.reduce import Aggregation, masked_mean
 
-__all__ = [
-    "grpo_loss",
-    "ppo_loss",
-    "reinforce_loss",
-    "value_loss",
-]
+__all__ = ["grpo_loss", "ppo_loss", "reinforce_loss"]
 
 
 # --- shared by the losses ----------------------------------------------------------------
@@ -432,74 +427,3 @@ def reinforce_loss(
     with torch.no_grad():
         metrics = {"log_prob_mean": masked_mean(lp, mask)}
     return _aggregate(fn, pg_loss, mask, aggregation), metrics
-
-
-@batch_args
-def value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip: float | None = 0.2,
-    aggregation: str | Aggregation = "token-mean",
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value-function loss of PPO.
-
-    ``values_clipped = old_values + clamp(values - old_values, -clip, clip)``,
-    ``per_token = 0.5 * max((values - returns)**2, (values_clipped - returns)**2)``
-    (``0.5 * (values - returns)**2`` with ``clip=None``), ``loss = aggregate(per_token,
-    mask)``.
-
-    Args:
-        values: [B, T] float critic outputs (carry grad).
-        old_values: [B, T] float critic outputs at sampling time (detached).
-        returns: [B, T] float regression targets (detached).
-        mask: [B, T] bool, True = the token counts.
-        clip: the clip range eps (absolute, in value units); >= 0; None = unclipped.
-        aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
-
-    Returns:
-        ``(loss, metrics)``; metrics: ``clip_frac``, the fraction of counted tokens where
-        the clipped term is the larger one (its gradient is 0 there).
-
-    Example:
-        >>> import torch
-        >>> v = torch.tensor([[1.0, 0.5]]); mask = torch.ones(1, 2, dtype=torch.bool)
-        >>> # token 1: v moved 1.0 from v_old = 0 and is clipped to 0.2: 0.5 * (0.2 - 2)^2
-        >>> loss, metrics = value_loss(v, torch.tensor([[0.0, 0.5]]), torch.tensor([[2.0, 0.5]]), mask)
-        >>> loss, metrics["clip_frac"]        # (1.62 + 0) / 2
-        (tensor(0.8100), tensor(0.5000))
-
-    References:
-        PPO, https://arxiv.org/abs/1707.06347; the clipped value loss of OpenAI baselines,
-        discussed in https://arxiv.org/abs/2005.12729
-
-    Note:
-        ``clip`` is absolute, as in verl's ``cliprange_value`` and TRL's ``cliprange_value``.
-    """
-    fn = "value_loss"
-    check_tensor(fn, "values", values, ndim=2)
-    check_float(fn, "values", values)
-    check_mask(fn, mask, "values", values)
-    for name, x in (("old_values", old_values), ("returns", returns)):
-        check_same_shape(fn, name, x, "values", values)
-        check_float(fn, name, x)
-    if clip is not None:
-        check_non_negative(fn, "clip", clip)
-    # error = values - returns and old_error = old_values - returns, 0 where masked (where
-    # also keeps a NaN there out of the gradient); values - old_values = error - old_error.
-    returns = returns.detach().float()
-    error = torch.where(mask, values.float() - returns, 0.0)
-    if clip is None:
-        per_token = 0.5 * error**2
-        metrics = {"clip_frac": torch.zeros((), device=values.device)}
-    else:
-        old_error = torch.where(mask, old_values.detach().float() - returns, 0.0)
-        loss1 = error**2
-        loss2 = (old_error + (error - old_error).clamp(-clip, clip)) ** 2
-        per_token = 0.5 * torch.maximum(loss1, loss2)
-        with torch.no_grad():
-            metrics = {"clip_frac": _frac(loss2 > loss1, _token_count(mask)[1])}  # never where masked: both 0
-    return _aggregate(fn, per_token, mask, aggregation), metrics
-

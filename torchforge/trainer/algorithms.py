@@ -57,7 +57,7 @@ depends on ``self.config``.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -75,17 +75,18 @@ from torchforge.corrections import (
     ratio_mask,
     truncated_importance_weights,
 )
+from torchforge.covariance_losses import clip_cov_loss, kl_cov_loss
 from torchforge.distributed import sum_over_ranks
 from torchforge.errors import TorchforgeError
 from torchforge.kl import approx_kl
 from torchforge.loop import ValueModel, micro_batches
-from torchforge.covariance_losses import clip_cov_loss, kl_cov_loss
-from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss, value_loss
-from torchforge.trust_region_losses import cispo_loss, gmpo_loss, sapo_loss
+from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss
 from torchforge.reduce import Aggregation, masked_mean, masked_whiten
 from torchforge.trainer.config import RLConfig
+from torchforge.trust_region_losses import cispo_loss, gmpo_loss, sapo_loss
+from torchforge.value_losses import value_loss
 
-__all__ = ["Algorithm", "GRPO", "PPO", "REINFORCE", "algorithm_from_name"]
+__all__ = ["GRPO", "PPO", "REINFORCE", "Algorithm", "algorithm_from_name"]
 
 Metrics = dict[str, torch.Tensor]
 
