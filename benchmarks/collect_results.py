@@ -36,6 +36,10 @@ BENCHMARKS = {
            "`exact_kl` (chunked, recomputing backward) against the unchunked formula and `F.kl_div`: "
            "time and peak memory",
            "python benchmarks/bench_kl.py"),
+    "kl_approx": ("bench_kl.py --approx",
+                  "the per-token sample estimator `approx_kl` (k3, bounded and exact) against verl's "
+                  "`low_var_kl` and TRL's k3: forward + backward time",
+                  "python benchmarks/bench_kl.py --approx --threads 1"),
     "advantages": ("bench_advantages.py",
                    "`gae` and `group_advantages` against verl's, TorchRL's and TRL's formulations; "
                    "`passk_advantages`, `opo_advantages`, `remax_advantages`, GDPO against their loop "
@@ -43,9 +47,11 @@ BENCHMARKS = {
                    "git show <commit before the change>:torchforge/advantages.py > /tmp/advantages_before.py; "
                    "python benchmarks/bench_advantages.py --threads 1 --before /tmp/advantages_before.py"),
     "losses": ("bench_losses.py",
-               "`ppo_loss` forward + backward against a minimal formula and TRL / verl / TorchRL-style "
-               "losses, eager and compiled; bytes saved for backward",
-               "python benchmarks/bench_losses.py --threads 1"),
+               "`ppo_loss` / `grpo_loss` forward + backward against a minimal formula and TRL / verl / "
+               "TorchRL-style losses, eager and compiled, before / after; the newer losses against their "
+               "naive form; bytes saved for backward",
+               "python benchmarks/bench_losses.py --threads 1 --before NAME=DIR  "
+               "# DIR holds old_losses.py / old_kl.py from git show <commit>"),
     "distributed": ("bench_distributed.py",
                     "one training step on 1 process vs 2 processes (FSDP2, DDP): step time and memory per rank",
                     "python benchmarks/bench_distributed.py"),
@@ -54,6 +60,10 @@ BENCHMARKS = {
              "`GRPOTrainer`: step time, peak memory, where the time goes",
              "python benchmarks/bench_loop.py --profile  "
              "# with the python of an environment that has TRL for the TRL rows (see its docstring)"),
+    "loop_multi_turn": ("bench_loop.py --multi-turn",
+                        "`rollout_episodes` (K turns per episode) against a single-turn rollout of the same "
+                        "samples: the loop step's overhead",
+                        "python benchmarks/bench_loop.py --multi-turn"),
     "lora": ("bench_lora.py",
              "a GRPO step with a KL penalty, full fine-tuning (reference = a deep copy) against LoRA "
              "(reference = the policy with its adapters disabled): weights, gradients, AdamW state, peak memory",
