@@ -31,7 +31,7 @@ them without re-implementing them:
   (unless the rounds ran out: then dropped groups fill the batch), always the step's size.
 
 One rule for losses: every loss returns ``(loss, metrics)`` — a scalar tensor and a dict
-of scalar metrics of the micro-batch. The losses of :mod:`torchforge.losses`,
+of scalar metrics of the micro-batch. torchforge's losses (``ppo_loss``, ``sapo_loss``, ...),
 :meth:`Algorithm.policy_gradient_loss` and ``compute_loss`` alike; so a ``compute_loss``
 may return a loss function's result as it is. Metrics are means over the micro-batch's
 counted tokens, except those named ``*_max`` / ``*_min``, which are extremes; the trainer
@@ -111,8 +111,8 @@ class Algorithm:
     the trainer calls ``setup``). A subclass ``__init__`` need not call ``super().__init__()``.
 
     The rule of every loss here: ``compute_loss`` and ``policy_gradient_loss`` return
-    ``(loss, metrics)``, a scalar tensor and a dict name -> scalar, as the losses of
-    :mod:`torchforge.losses` do (metrics named ``*_max`` / ``*_min`` are extremes, the
+    ``(loss, metrics)``, a scalar tensor and a dict name -> scalar, as torchforge's losses
+    (``ppo_loss``, ``sapo_loss``, ...) do (metrics named ``*_max`` / ``*_min`` are extremes, the
     others means over the counted tokens).
 
     Args:

@@ -21,7 +21,7 @@ __all__ = ["RLConfig", "ALGORITHMS", "LR_SCHEDULERS", "REINFORCE_BASELINES", "PO
 ALGORITHMS = ("grpo", "ppo", "reinforce")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 REINFORCE_BASELINES = ("rloo", "reinforce++", "reinforce++-baseline")
-#: the policy losses of ``RLConfig.policy_loss`` (torchforge.losses; "gspo" is ppo_loss with sequence ratios)
+#: the policy losses of ``RLConfig.policy_loss`` (torchforge's policy losses; "gspo" is ppo_loss with sequence ratios)
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "reinforce")
 #: the policy losses that take per-token ``weights=`` (rollout corrections need one)
 WEIGHTED_POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "reinforce")
