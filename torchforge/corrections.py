@@ -37,17 +37,18 @@ from torchforge.errors import (
     check_tensor,
     shape_str,
 )
-from torchforge.ratios import _masked_log_ratio, _sequence_mean
+from torchforge.ratios import _masked_log_ratio
+from torchforge.reduce import masked_mean
 
 __all__ = [
-    "truncated_importance_weights",
-    "ratio_mask",
-    "unscored_tokens",
-    "high_entropy_mask",
-    "entropy_threshold",
-    "overlong_penalty",
-    "zero_std_groups",
     "CORRECTION_LEVELS",
+    "entropy_threshold",
+    "high_entropy_mask",
+    "overlong_penalty",
+    "ratio_mask",
+    "truncated_importance_weights",
+    "unscored_tokens",
+    "zero_std_groups",
 ]
 
 # How a sequence's ratio is formed from its token log-ratios, for every correction here:
@@ -75,7 +76,7 @@ def _level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) ->
     if level == "token":
         return log_ratio
     if level == "sequence":
-        return _sequence_mean(log_ratio, mask).expand_as(log_ratio)
+        return masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
     return log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
 
 

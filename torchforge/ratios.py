@@ -26,7 +26,7 @@ from torchforge.errors import (
     check_same_shape,
     check_tensor,
 )
-from torchforge.reduce import masked_sum
+from torchforge.reduce import masked_mean, masked_sum
 
 __all__ = ["RATIO_LEVELS", "policy_ratio"]
 
@@ -61,17 +61,11 @@ def _clamp_log_ratio(log_ratio: torch.Tensor, max_log_ratio: float) -> torch.Ten
     return F.hardtanh(log_ratio, -max_log_ratio, max_log_ratio)
 
 
-def _sequence_mean(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B, 1] mean of each row's counted (token) log-ratios; 0 for a row with none.
-    ``log_ratio`` must be 0 where ``mask`` is False."""
-    return log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-
-
 def _sequence_log_ratio(log_ratio, mask) -> torch.Tensor:
     """GSPO-token: ``sg(l_b) + log_ratio - sg(log_ratio)`` with ``l_b`` the mean log-ratio
     of row b. The value is ``l_b`` at every position of row b; the gradient w.r.t.
     ``log_probs_bt`` is 1, as in the token case."""
-    return _sequence_mean(log_ratio.detach(), mask) + (log_ratio - log_ratio.detach())
+    return masked_mean(log_ratio.detach(), mask, dim=-1).unsqueeze(-1) + (log_ratio - log_ratio.detach())
 
 
 @batch_args

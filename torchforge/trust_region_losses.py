@@ -22,9 +22,8 @@ from torchforge.ratios import (
     _clamp_log_ratio,
     _masked_log_ratio,
     _ratio_metrics,
-    _sequence_mean,
 )
-from torchforge.reduce import Aggregation, masked_sum
+from torchforge.reduce import Aggregation, masked_mean, masked_sum
 
 __all__ = ["cispo_loss", "gmpo_loss", "sapo_loss"]
 
@@ -257,8 +256,8 @@ def gmpo_loss(
     clipped = torch.where(
         A > 0, log_ratio.clamp(max=clip_high), torch.where(A < 0, log_ratio.clamp(min=-clip_low), 0.0)
     )
-    ratio = torch.exp(_clamp_log_ratio(_sequence_mean(clipped, mask), max_log_ratio))
-    seq_A = _sequence_mean(torch.where(mask, A, 0.0), mask)
+    ratio = torch.exp(_clamp_log_ratio(masked_mean(clipped, mask, dim=-1).unsqueeze(-1), max_log_ratio))
+    seq_A = masked_mean(A, mask, dim=-1).unsqueeze(-1)
     pg_loss = (-seq_A * ratio).expand(mask.shape)
 
     with torch.no_grad():
