@@ -288,9 +288,19 @@ def test_bounded_k3_hand_derived():
     eps = 1e-3
     y = torch.tensor([-LN2 - eps, -LN2 + eps], dtype=torch.float64, requires_grad=True)
     v = approx_kl(y, torch.zeros(2, dtype=torch.float64)); v.sum().backward()
-    assert abs(float(v[0] - v[1])) < 3e-3 and abs(float(y.grad[0] - y.grad[1])) < 3e-3
+    assert abs(float(v[0].detach() - v[1].detach())) < 3e-3 and abs(float(y.grad[0] - y.grad[1])) < 3e-3
     torch.testing.assert_close(approx_kl(torch.tensor([-2.0]), torch.zeros(1), max_ratio=10.0),
                                torch.tensor([math.exp(2) - 3]))  # r = e^2 < 10: exact
+
+
+@pytest.mark.parametrize("max_ratio", [2.0, math.inf])
+def test_k3_near_equal_policies_errs_at_the_rounding_of_log_r(max_ratio):
+    # k3 = (log r)^2 / 2 + O((log r)^3) near r = 1: written with exp(log r) - 1 its float32
+    # error would be that of rounding 1 (6e-8), larger than k3 itself at |log r| < 3e-4.
+    x = torch.cat([torch.logspace(-5, -1, 20), -torch.logspace(-5, -1, 20)])
+    k3 = approx_kl(x, torch.zeros_like(x), max_ratio=max_ratio)
+    want = torch.expm1(-x.double()) + x.double()
+    assert ((k3.double() - want).abs() <= 4 * torch.finfo(torch.float32).eps * x.double().abs()).all()
 
 
 def test_bounded_k3_equals_verl_low_var_kl_where_neither_clamps():

@@ -36,21 +36,24 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 KL_GRADIENTS = ("estimator", "straight-through", "bias-corrected")
 
 
-def _k3(log_ratio: torch.Tensor, max_ratio: float) -> torch.Tensor:
-    """``k3 = r - 1 - log r`` with ``r = ref / pi = exp(-log_ratio)``, continued along its
-    tangent beyond ``max_ratio``: ``r = max_ratio * (1 + log r - log max_ratio)`` there.
+def _k3(log_r: torch.Tensor, max_ratio: float) -> torch.Tensor:
+    """``k3 = (r - 1) - log r`` with ``r = ref / pi``, continued along its tangent beyond
+    ``max_ratio``: ``r = max_ratio * (1 + log r - log max_ratio)`` there.
 
-    Value and gradient are continuous; ``|d k3 / d log_ratio| = |1 - r'| <= max(1,
+    Value and gradient are continuous; ``|d k3 / d log r| = |r' - 1| <= max(1,
     max_ratio - 1)`` everywhere; exactly Schulman's k3 wherever ``r <= max_ratio``.
     """
-    # With y = max(log_ratio, -log max_ratio): k3 = k3(y) + k3'(y) * (log_ratio - y), the
-    # tangent at y, which is k3 itself while y = log_ratio; k3(y) = expm1(-y) + y (expm1
-    # keeps it exact near 0) and k3'(y) = 1 - max_ratio beyond the knee. hardtanh with no
-    # upper bound is the clamp, with a backward of one kernel (torch.clamp's takes several).
+    # expm1 keeps the error near r = 1 at the rounding of log r (exp(log r) - 1 would
+    # round at 1, and k3 there is (log r)**2 / 2).
     if math.isinf(max_ratio):  # Schulman's k3 as written
-        return torch.expm1(-log_ratio) + log_ratio
-    y = F.hardtanh(log_ratio, -math.log(max_ratio), math.inf)
-    return torch.expm1(-y) + y + (1 - max_ratio) * (log_ratio - y)
+        return torch.expm1(log_r) - log_r
+    # With w = min(log r, log max_ratio): k3 = k3(w) + k3'(w) * (log r - w), the tangent
+    # at w, which is k3 itself while w = log r (log r - w is then exactly 0), and
+    # k3'(w) = max_ratio - 1 beyond the knee. hardtanh with no lower bound is the clamp,
+    # with a backward of one kernel (torch.clamp's takes several); add's alpha scales
+    # the tangent in the same kernel.
+    w = F.hardtanh(log_r, -math.inf, math.log(max_ratio))
+    return torch.add(torch.expm1(w) - w, log_r - w, alpha=max_ratio - 1)
 
 
 @batch_args
@@ -67,17 +70,17 @@ def approx_kl(
 ) -> torch.Tensor:
     """Per-token sample estimate of KL(pi || ref) from the log-probs of sampled tokens.
 
-    With ``log_ratio = log_probs - ref_log_probs`` (``log pi(y) - log ref(y)`` for a token
-    ``y ~ pi``) and ``r = ref / pi = exp(-log_ratio)``:
+    In Schulman's notation, with ``r = ref / pi`` on a token ``y ~ pi`` and ``log r =
+    ref_log_probs - log_probs``:
 
-    - ``k1 = log_ratio``: unbiased, high variance, can be negative.
-    - ``k2 = log_ratio**2 / 2``: biased (``E[k2] != KL`` unless pi = ref), low variance,
+    - ``k1 = -log r``: unbiased, high variance, can be negative.
+    - ``k2 = (log r)**2 / 2``: biased (``E[k2] != KL`` unless pi = ref), low variance,
       >= 0.
-    - ``k3 = r - 1 - log r``: unbiased, low variance, >= 0 (Schulman's estimator;
-      ``E_pi[r] = sum_y ref(y) = 1`` makes the extra term mean-zero). Where ``r >
-      max_ratio`` (pi more than ``max_ratio`` times below ref) ``r`` continues along its
-      tangent, ``r = max_ratio * (1 + log r - log max_ratio)``; see the Note.
-    - ``abs = |log_ratio|``: biased, >= 0.
+    - ``k3 = (r - 1) - log r``: unbiased, low variance, >= 0 (``E_pi[r] = sum_y ref(y) =
+      1`` makes the extra term mean-zero). Where ``r > max_ratio`` (pi more than
+      ``max_ratio`` times below ref) ``r`` continues along its tangent,
+      ``r = max_ratio * (1 + log r - log max_ratio)``; see the Note.
+    - ``abs = |log r|``: biased, >= 0.
 
     ``kl = weights * k`` with the ``weights`` detached: for tokens sampled from an older
     policy ``pi_old``, passing ``weights = pi / pi_old`` makes ``E_pi_old[weights * k]``
@@ -120,7 +123,7 @@ def approx_kl(
         >>> lp = torch.log(torch.tensor([[0.5, 0.25]]))
         >>> approx_kl(lp, lp)
         tensor([[0., 0.]])
-        >>> # log_ratio = log 2: k3 = 1/2 - 1 + log 2
+        >>> # log r = -log 2, r = 1/2: k3 = 1/2 - 1 + log 2
         >>> approx_kl(torch.log(torch.tensor([0.5])), torch.log(torch.tensor([0.25])))
         tensor([0.1931])
         >>> # 19 nats below ref: r = 2 (1 + 19 - log 2), k3 = r - 1 - 19; gradient -1
@@ -138,8 +141,8 @@ def approx_kl(
 
     Note:
         Extremes. k1, k2 and abs need no exponential and are exact at any log-ratio,
-        value and gradient. k3 holds ``exp(-log_ratio)``: a token 19 nats below the
-        reference would give a value and a gradient of 1.8e8. verl clamps ``-log_ratio``
+        value and gradient. k3 holds ``r = exp(log r)``: a token 19 nats below the
+        reference would give a value and a gradient of 1.8e8. verl clamps ``log r``
         at +-20 and then k3 at +-10 (so a token more than about 2.5 nats below the
         reference gets no gradient at all); OpenRLHF clamps the log-ratio at +-10 (a
         gradient of up to 2.2e4, then none). Here ``r`` continues along its tangent
@@ -147,8 +150,8 @@ def approx_kl(
         drops to 0 and is bounded by ``max(1, max_ratio - 1)`` in magnitude. With the
         default ``max_ratio = 2`` that bound is 1 on both sides, the bound k3 has by
         itself where pi > ref; k3 is exact wherever pi >= ref / 2, and grows like
-        ``|log_ratio|`` (as abs does) beyond. The straight-through form carries the same
-        bounded value and the gradient of k2, ``log_ratio``.
+        ``|log r|`` (as abs does) beyond. The straight-through form carries the same
+        bounded value and the gradient of k2, ``log_probs - ref_log_probs``.
     """
     fn = "approx_kl"
     check_tensor(fn, "log_probs", log_probs)
@@ -175,25 +178,26 @@ def approx_kl(
     rho = None
     if gradient == "bias-corrected":
         rho = torch.exp((log_probs.float() - old_log_probs.detach().float()).clamp(-max_log_ratio, max_log_ratio))
-    kl = _estimate(log_probs.float() - ref_log_probs.float(), estimator, gradient, max_ratio, rho)
+    kl = _estimate(ref_log_probs.float() - log_probs.float(), estimator, gradient, max_ratio, rho)
     if weights is not None:
         kl = weights.detach().float() * kl
     return kl
 
 
-def _estimate(log_ratio: torch.Tensor, estimator: str, gradient: str, max_ratio: float, rho=None) -> torch.Tensor:
-    """The body of :func:`approx_kl` from ``log_ratio = log pi - log ref`` (and, for
-    ``"bias-corrected"``, ``rho = pi / pi_old`` with its gradient); no checks."""
+def _estimate(log_r: torch.Tensor, estimator: str, gradient: str, max_ratio: float, rho=None) -> torch.Tensor:
+    """The body of :func:`approx_kl` from ``log r = log ref - log pi`` (Schulman's
+    notation, in which k3 needs no negation; and, for ``"bias-corrected"``,
+    ``rho = pi / pi_old`` with its gradient); no checks."""
     if estimator == "k1":
-        kl = log_ratio
+        kl = -log_r
     elif estimator == "k2":
-        kl = 0.5 * log_ratio**2
+        kl = 0.5 * log_r**2
     elif estimator == "k3":
-        kl = _k3(log_ratio, max_ratio)
+        kl = _k3(log_r, max_ratio)
     else:
-        kl = log_ratio.abs()
+        kl = log_r.abs()
     if gradient == "straight-through":
-        k2 = 0.5 * log_ratio**2
+        k2 = 0.5 * log_r**2
         kl = kl.detach() + (k2 - k2.detach())
     elif gradient == "bias-corrected":
         kl = kl * rho

@@ -370,12 +370,13 @@ def grpo_loss(
         check_same_shape(fn, "ref_log_probs", ref_log_probs, "log_probs", log_probs)
         check_float(fn, "ref_log_probs", ref_log_probs)
         # kl = approx_kl(log_probs, ref_log_probs, old_log_probs=old_log_probs, ...) on the
-        # counted tokens; its log-ratio is 0 where masked, so a NaN there reaches nothing.
-        kl_log_ratio = _masked_log_ratio(log_probs, ref_log_probs, mask)
+        # counted tokens, from log r = log ref - log pi; 0 where masked, so a NaN there
+        # reaches nothing (the where zeroes the gradient there too).
+        log_r = torch.where(mask, ref_log_probs.detach().float() - log_probs.float(), 0.0)
         rho = ratio if kl_gradient == "bias-corrected" else None
-        kl = _estimate(kl_log_ratio, kl_estimator, kl_gradient, 2.0, rho)  # approx_kl's max_ratio
-        per_token = per_token + kl_coef * kl
-        with torch.no_grad():  # kl is 0 where masked (its log-ratio is): a plain sum
+        kl = _estimate(log_r, kl_estimator, kl_gradient, 2.0, rho)  # approx_kl's max_ratio
+        per_token = torch.add(pg_loss, kl, alpha=kl_coef)  # pg_loss + kl_coef * kl, in one kernel
+        with torch.no_grad():  # kl is 0 where masked (log r is): a plain sum
             metrics["kl"] = kl.detach().sum() / count
     else:
         metrics["kl"] = torch.zeros((), device=log_probs.device)
