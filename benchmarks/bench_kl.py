@@ -20,8 +20,9 @@ tensor. Writes benchmarks/results/kl.md.
 float32 log-probs, forward + backward of the masked mean, interleaved medians): torchforge's
 ``approx_kl`` k3 (default: continued along its tangent beyond ref / pi = 2; and exact,
 ``max_ratio=inf``), verl's ``low_var_kl`` (log-ratio clamped at +-20, value at +-10) and
-TRL's k3, each a re-implementation of the published per-token formula. Writes
-benchmarks/results/kl_approx.md.
+TRL's k3, each a re-implementation of the published per-token formula. On a CPU, freed
+buffers stay in the process for it (benchmarks/_allocator.py, as in bench_losses.py).
+Writes benchmarks/results/kl_approx.md.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _allocator import keep_freed_buffers
 
 from torchforge.kl import approx_kl, exact_kl
 
@@ -150,7 +152,7 @@ APPROX = {
 }
 
 
-def approx_section(repeats: int, device: str) -> list[str]:
+def approx_section(repeats: int, device: str, steady: bool) -> list[str]:
     """Time the per-token KL estimators, forward + backward of the masked mean."""
     B, T = 256, 4096
     g = torch.Generator().manual_seed(0)
@@ -177,7 +179,8 @@ def approx_section(repeats: int, device: str) -> list[str]:
         "",
         (f"Device {device}, {torch.get_num_threads()} threads, torch {torch.__version__}. [B, T] = [{B}, {T}] "
          f"float32, forward + backward of the masked mean; median of {repeats} interleaved runs; "
-         "time only (the variants differ in value where ref / pi > 2, by design)."),
+         "time only (the variants differ in value where ref / pi > 2, by design)"
+         + ("; freed buffers kept in the process (benchmarks/_allocator.py)." if steady else ".")),
         "",
         "| estimator | median ms | x approx_kl k3 |",
         "| --- | ---: | ---: |",
@@ -203,7 +206,9 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.approx:
-        lines = approx_section(args.repeats or 21, "cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        steady = device == "cpu" and keep_freed_buffers()
+        lines = approx_section(args.repeats or 21, device, steady)
         print("\n".join(lines))
         path = os.path.join(os.path.dirname(__file__), "results", "kl_approx.md")
         os.makedirs(os.path.dirname(path), exist_ok=True)

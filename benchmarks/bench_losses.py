@@ -34,7 +34,12 @@ the minimal formulas; ``--no-compile`` skips it). Reported: median ms, ratio to 
 and to torchforge (same mode), and the bytes autograd saves for the backward (a
 device-independent proxy for peak memory; CUDA also reports the peak allocated).
 
-Usage: python benchmarks/bench_losses.py [--quick] [--no-compile] [--before NAME=DIR ...] [--device cuda] [--threads N]
+On a CPU, freed buffers stay in the process (benchmarks/_allocator.py), as the CUDA caching
+allocator keeps GPU memory: otherwise eager timings include the OS zeroing fresh pages,
+which moves them by up to 30% with the order of the variants. ``--fresh-pages`` keeps
+glibc's default.
+
+Usage: python benchmarks/bench_losses.py [--quick] [--no-compile] [--before NAME=DIR ...] [--device cuda] [--threads N] [--fresh-pages]
 Writes benchmarks/results/losses.md.
 """
 
@@ -52,6 +57,7 @@ import time
 from pathlib import Path
 
 import torch
+from _allocator import keep_freed_buffers
 
 from torchforge.covariance_losses import clip_cov_loss, kl_cov_loss
 from torchforge.losses import grpo_loss, ppo_loss
@@ -316,10 +322,13 @@ def main():
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads (default: torch's; 1 is steadier on a shared machine)")
+    parser.add_argument("--fresh-pages", action="store_true",
+                        help="leave glibc's allocator as it is (freed buffers may go back to the OS)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "losses.md"))
     args = parser.parse_args()
 
     device = torch.device(args.device)
+    steady = device.type == "cpu" and not args.fresh_pages and keep_freed_buffers()
     if args.threads:
         torch.set_num_threads(args.threads)
     B, T = (32, 1024) if args.quick else (256, 4096)
@@ -396,7 +405,8 @@ def main():
         "",
         (f"Machine: {where}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}, "
          f"device {device}. Shape [B, T] = [{B}, {T}], float32, token-mean, ~60% of tokens counted; "
-         f"median of {repeats} interleaved runs."),
+         f"median of {repeats} interleaved runs"
+         + ("; freed buffers kept in the process (benchmarks/_allocator.py)." if steady else ".")),
         "",
         "| loss | variant | mode | median ms | x minimal / naive | x torchforge | saved for backward, eager (MiB) |"
         + (" peak CUDA MiB |" if peak else ""),
@@ -420,7 +430,7 @@ def main():
          "`DIR/old_losses.py`, timed in the same process."),
         "",
         (f"Run: `python benchmarks/bench_losses.py{' --threads ' + str(args.threads) if args.threads else ''}"
-         f"{''.join(f' --before {spec}' for spec in args.before)}`."),
+         f"{''.join(f' --before {spec}' for spec in args.before)}{' --fresh-pages' if args.fresh_pages else ''}`."),
         "",
     ]
     text = "\n".join(lines)
