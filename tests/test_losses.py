@@ -1,6 +1,7 @@
 """Tests for torchforge.losses: PPO, GRPO, REINFORCE, and the contract every loss
 shares (empty mask, NaN at masked positions, empty batches, per-rank global counts, compile)."""
 
+import functools
 import math
 
 import pytest
@@ -90,6 +91,21 @@ def test_ppo_hand_derived_clip_and_metrics():
     assert metrics["approx_kl"].item() == pytest.approx(k3, rel=1e-5)
     for value in metrics.values():
         assert value.dtype == torch.float32 and value.dim() == 0 and not value.requires_grad
+
+
+@pytest.mark.parametrize(("n", "log_ratio"), [(5, -0.2), (11, -0.0871), (3, 0.0123), (45, 0.1)])
+def test_ratio_extrema_are_exactly_the_counted_ones(n, log_ratio):
+    # Every counted token at the same ratio, padding after them: ratio_min and ratio_max are
+    # that ratio bit for bit. (Padding filled with the mean ratio, as an earlier version
+    # did, lands a rounding away from it at the first two cases.)
+    lp = torch.full((2, n + 3), log_ratio); old = torch.zeros(2, n + 3)
+    mask = torch.zeros(2, n + 3, dtype=torch.bool); mask[:, :n] = True
+    adv = torch.tensor([1.0, -1.0])
+    want = torch.exp(torch.tensor(log_ratio))
+    cispo = functools.partial(cispo_loss, clip_low=0.2, clip_high=0.3)
+    for loss in (ppo_loss, grpo_loss, cispo, sapo_loss):
+        _, metrics = loss(lp, old, adv, mask)
+        assert metrics["ratio_min"] == want and metrics["ratio_max"] == want, loss
 
 
 def test_asymmetric_clip_high():

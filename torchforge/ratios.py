@@ -8,8 +8,8 @@ geometric mean of the token ratios, length-normalized: GSPO's ratio, and the
 from the same log-ratio.
 
 Because the log-ratio is exactly 0 where ``mask`` is False, every ratio the losses weigh
-tokens by is exactly 1 there: a clip never fires, ``ratio - 1`` and k3 are 0, so the loss metrics are
-plain sums over the batch (see :func:`_ratio_metrics`).
+tokens by is exactly 1 there: a clip never fires, ``ratio - 1`` and k3 are 0, so the loss
+metrics' counts and sums are plain sums over the batch (see :func:`_ratio_metrics`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torchforge.errors import (
     check_same_shape,
     check_tensor,
 )
-from torchforge.reduce import masked_mean, masked_sum
+from torchforge.reduce import masked_max, masked_mean, masked_min, masked_sum
 
 __all__ = ["RATIO_LEVELS", "policy_ratio"]
 
@@ -139,7 +139,8 @@ def _ratio_metrics(log_ratio, ratio, mask, num_tokens, count, *, weighing_ratio=
     (the divisor). ``approx_kl`` is the k3 estimate of KL(pi_old || pi) on tokens sampled
     from pi_old, ``mean(ratio - 1 - log_ratio)``, always from the token ratio; the ratio
     statistics are of ``weighing_ratio`` ([B, T] or [B, 1]) when the loss weighs by
-    another ratio (GSPO, GMPO), else of ``ratio``.
+    another ratio (GSPO, GMPO), else of ``ratio``. The extrema are ``masked_min`` /
+    ``masked_max`` (0 on an empty mask).
     """
     excess = ratio - 1                                          # 0 where masked
     approx_kl = (excess - log_ratio).sum() / count              # k3 = ratio - 1 - log ratio
@@ -148,12 +149,5 @@ def _ratio_metrics(log_ratio, ratio, mask, num_tokens, count, *, weighing_ratio=
     else:
         weighing_ratio = weighing_ratio.expand(mask.shape)
         ratio_sum = masked_sum(weighing_ratio, mask)
-    ratio_mean = ratio_sum / count
-    # masked min and max with one fill and one aminmax: the positions not counted take the
-    # mean of the counted ratios, which lies between their min and max (to within one
-    # rounding), so it moves neither extremum.
-    filled = torch.where(mask, weighing_ratio, ratio_mean)
-    ratio_min, ratio_max = torch.aminmax(filled) if filled.numel() else (ratio_mean, ratio_mean)
-    counted = num_tokens > 0                                    # else 0, as masked_min / max
-    return {"approx_kl": approx_kl, "ratio_mean": ratio_mean,
-            "ratio_min": torch.where(counted, ratio_min, 0.0), "ratio_max": torch.where(counted, ratio_max, 0.0)}
+    return {"approx_kl": approx_kl, "ratio_mean": ratio_sum / count,
+            "ratio_min": masked_min(weighing_ratio, mask), "ratio_max": masked_max(weighing_ratio, mask)}
