@@ -19,8 +19,9 @@ coefficient 0.04, all its metrics) against:
 - ``minimal, bool mask``: the same, given the bool mask the losses take (converted to
   float inside the timed region) instead of a float mask made beforehand;
 - ``NAME`` (with ``--before NAME=DIR``, repeatable): the same function imported from an
-  older copy of ``torchforge/losses.py`` saved as ``DIR/old_losses.py`` (importing its KL
-  from ``DIR/old_kl.py`` as ``old_kl``), to record a change before and after in one run.
+  older copy of ``torchforge/losses.py`` saved as ``DIR/old_losses.py`` (importing the
+  modules it needs from older copies beside it as ``old_kl``, ``old_ratios``: see
+  ``load_before``), to record a change before and after in one run.
 
 The new losses against their naive form (a direct re-implementation of the published
 per-token computation, as verl writes it: ``nonzero`` / ``randperm`` / ``topk`` with a
@@ -302,14 +303,18 @@ def _load(module_name: str, path: Path):
 
 
 def load_before(name: str, directory: str):
-    """``old_losses`` from ``directory`` (an older copy of torchforge/losses.py, which
-    imports its KL as ``old_kl`` from the same folder), under module names unique to ``name``."""
-    if (Path(directory) / "old_kl.py").exists():
-        sys.modules["old_kl"] = _load(f"old_kl_{name}", Path(directory) / "old_kl.py")
+    """``old_losses`` from ``directory`` (an older copy of torchforge/losses.py), under
+    module names unique to ``name``. Modules it imports from the same folder as
+    ``old_<module>`` (an older kl.py as ``old_kl``, ratios.py as ``old_ratios``) are
+    loaded first, from ``DIR/old_<module>.py``."""
+    helpers = sorted(p for p in Path(directory).glob("old_*.py") if p.name != "old_losses.py")
+    for path in helpers:
+        sys.modules[path.stem] = _load(f"{path.stem}_{name}", path)
     try:
         return _load(f"old_losses_{name}", Path(directory) / "old_losses.py")
     finally:
-        sys.modules.pop("old_kl", None)
+        for path in helpers:
+            sys.modules.pop(path.stem, None)
 
 
 def main():
@@ -317,7 +322,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="small shape, few repeats")
     parser.add_argument("--no-compile", action="store_true", help="eager only")
     parser.add_argument("--before", action="append", default=[], metavar="NAME=DIR",
-                        help="a variant NAME from DIR/old_losses.py (and DIR/old_kl.py); repeatable")
+                        help="a variant NAME from DIR/old_losses.py (and DIR/old_<module>.py); repeatable")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None,
