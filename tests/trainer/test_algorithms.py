@@ -216,21 +216,21 @@ def _loss_and_grad(algorithm, batch, method="compute_loss"):
 
 
 def _expected_policy_loss(name, b, c):
-    import torchforge as losses  # every loss, whichever module defines it
+    import torchforge as tf  # every loss, whichever module defines it
 
     args = (b.log_probs, b.old_log_probs, b.advantages, b.mask)
     clip = dict(clip_low=c.clip_low, clip_high=c.clip_high)
     torch.manual_seed(0)
     return {
-        "ppo": lambda: losses.ppo_loss(*args, **clip),
-        "gspo": lambda: losses.ppo_loss(*args, **clip, ratio_level="sequence"),
-        "cispo": lambda: losses.cispo_loss(*args, **clip),
-        "sapo": lambda: losses.sapo_loss(*args, tau_pos=c.sapo_tau_pos, tau_neg=c.sapo_tau_neg),
-        "gmpo": lambda: losses.gmpo_loss(*args, **clip, aggregation="token-mean"),
-        "clip_cov": lambda: losses.clip_cov_loss(*args, **clip, select_frac=c.cov_select_frac, cov_low=c.cov_low,
-                                                 cov_high=c.cov_high),
-        "kl_cov": lambda: losses.kl_cov_loss(*args, select_frac=c.cov_select_frac, kl_coef=c.kl_cov_coef),
-        "reinforce": lambda: losses.reinforce_loss(b.log_probs, b.advantages, b.mask),
+        "ppo": lambda: tf.ppo_loss(*args, **clip),
+        "gspo": lambda: tf.ppo_loss(*args, **clip, ratio_level="sequence"),
+        "cispo": lambda: tf.cispo_loss(*args, **clip),
+        "sapo": lambda: tf.sapo_loss(*args, tau_pos=c.sapo_tau_pos, tau_neg=c.sapo_tau_neg),
+        "gmpo": lambda: tf.gmpo_loss(*args, **clip, aggregation="token-mean"),
+        "clip_cov": lambda: tf.clip_cov_loss(*args, **clip, select_frac=c.cov_select_frac, cov_low=c.cov_low,
+                                             cov_high=c.cov_high),
+        "kl_cov": lambda: tf.kl_cov_loss(*args, select_frac=c.cov_select_frac, kl_coef=c.kl_cov_coef),
+        "reinforce": lambda: tf.reinforce_loss(b.log_probs, b.advantages, b.mask),
     }[name]()
 
 
