@@ -36,6 +36,14 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 KL_GRADIENTS = ("estimator", "straight-through", "bias-corrected")
 
 
+def _log_r(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask=None) -> torch.Tensor:
+    """Schulman's ``log r = log ref - log pi`` in float32; exactly 0 where ``mask`` is False
+    (a ``where``, not a product with the mask, so a NaN there reaches neither the value nor
+    the gradient)."""
+    log_r = ref_log_probs.float() - log_probs.float()
+    return log_r if mask is None else torch.where(mask, log_r, 0.0)
+
+
 def _k3(log_r: torch.Tensor, max_ratio: float) -> torch.Tensor:
     """``k3 = (r - 1) - log r`` with ``r = ref / pi``, continued along its tangent beyond
     ``max_ratio``: ``r = max_ratio * (1 + log r - log max_ratio)`` there.
@@ -178,7 +186,7 @@ def approx_kl(
     rho = None
     if gradient == "bias-corrected":
         rho = torch.exp((log_probs.float() - old_log_probs.detach().float()).clamp(-max_log_ratio, max_log_ratio))
-    kl = _estimate(ref_log_probs.float() - log_probs.float(), estimator, gradient, max_ratio, rho)
+    kl = _estimate(_log_r(log_probs, ref_log_probs), estimator, gradient, max_ratio, rho)
     if weights is not None:
         kl = weights.detach().float() * kl
     return kl

@@ -42,7 +42,7 @@ from torchforge.errors import (
     check_tensor,
     shape_str,
 )
-from torchforge.kl import KL_ESTIMATORS, KL_GRADIENTS, _estimate
+from torchforge.kl import KL_ESTIMATORS, KL_GRADIENTS, _estimate, _log_r
 from torchforge.ratios import (
     RATIO_LEVELS,
     _check_log_probs,
@@ -370,9 +370,8 @@ def grpo_loss(
         check_same_shape(fn, "ref_log_probs", ref_log_probs, "log_probs", log_probs)
         check_float(fn, "ref_log_probs", ref_log_probs)
         # kl = approx_kl(log_probs, ref_log_probs, old_log_probs=old_log_probs, ...) on the
-        # counted tokens, from log r = log ref - log pi; 0 where masked, so a NaN there
-        # reaches nothing (the where zeroes the gradient there too).
-        log_r = torch.where(mask, ref_log_probs.detach().float() - log_probs.float(), 0.0)
+        # counted tokens: log r is 0 where masked, so a NaN there reaches nothing.
+        log_r = _log_r(log_probs, ref_log_probs.detach(), mask)
         rho = ratio if kl_gradient == "bias-corrected" else None
         kl = _estimate(log_r, kl_estimator, kl_gradient, 2.0, rho)  # approx_kl's max_ratio
         per_token = torch.add(pg_loss, kl, alpha=kl_coef)  # pg_loss + kl_coef * kl, in one kernel
