@@ -28,6 +28,7 @@ from torchforge.errors import (
     shape_str,
 )
 from torchforge.log_probs import _check_temperature, _chunk_rows, _row_chunks
+from torchforge.ratios import _clamp_log_ratio
 
 __all__ = ["KL_ESTIMATORS", "KL_GRADIENTS", "adaptive_kl_coef", "approx_kl", "exact_kl"]
 
@@ -185,7 +186,7 @@ def approx_kl(
 
     rho = None
     if gradient == "bias-corrected":
-        rho = torch.exp((log_probs.float() - old_log_probs.detach().float()).clamp(-max_log_ratio, max_log_ratio))
+        rho = torch.exp(_clamp_log_ratio(log_probs.float() - old_log_probs.detach().float(), max_log_ratio))
     kl = _estimate(_log_r(log_probs, ref_log_probs), estimator, gradient, max_ratio, rho)
     if weights is not None:
         kl = weights.detach().float() * kl
