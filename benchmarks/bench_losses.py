@@ -27,6 +27,11 @@ The new losses against their naive form (a direct re-implementation of the publi
 per-token computation, as verl writes it: ``nonzero`` / ``randperm`` / ``topk`` with a
 ``.item()`` count): ``sapo_loss``, ``gmpo_loss``, ``clip_cov_loss``, ``kl_cov_loss``.
 
+``masked sum``: the mask alone, ``sum(where(mask, log_probs, 0))`` as the losses select
+(``torchforge``) against a multiply by a float mask made beforehand (``minimal``) and by
+``mask.float()`` (``minimal, bool mask``), eager and compiled: what reading a bool mask
+costs by itself.
+
 The peer formulations are re-implementations written for this benchmark, following those
 libraries' published per-token computations; they are not their code.
 
@@ -183,6 +188,23 @@ def grpo_verl(lp, d):
     kld = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
     metrics["kl_loss"] = masked_mean(kld).detach()
     return masked_mean(pg_losses) + BETA * masked_mean(kld), metrics
+
+
+# --- the mask alone ----------------------------------------------------------------------
+# What reading the [B, T] mask costs, without a loss around it: the losses select with
+# their bool mask (a NaN at a padded position must not reach the loss or the gradient),
+# the minimal formulas multiply by a float mask made before the timed region.
+
+def masked_sum_where(lp, d):
+    return torch.where(d["mask"], lp, 0.0).sum(), {}
+
+
+def masked_sum_float_mask(lp, d):
+    return (lp * d["maskf"]).sum(), {}
+
+
+def masked_sum_bool_to_float(lp, d):
+    return (lp * d["mask"].float()).sum(), {}
 
 
 # --- the new losses and their naive forms ------------------------------------------------
@@ -359,6 +381,8 @@ def main():
         "gmpo_loss": {"torchforge": gmpo_torchforge, "naive": gmpo_naive},
         "clip_cov_loss": {"torchforge": clip_cov_torchforge, "naive": clip_cov_naive},
         "kl_cov_loss": {"torchforge": kl_cov_torchforge, "naive": kl_cov_naive},
+        "masked sum": {"torchforge": masked_sum_where, "minimal": masked_sum_float_mask,
+                       "minimal, bool mask": masked_sum_bool_to_float},
     }
     befores = []
     for spec in args.before:
@@ -382,7 +406,7 @@ def main():
 
     runs = {(group, name, "eager"): fn for group, variants in groups.items() for name, fn in variants.items()}
     if not args.no_compile:
-        for group in ("ppo_loss", "grpo_loss"):
+        for group in ("ppo_loss", "grpo_loss", "masked sum"):
             for name in ("torchforge", "minimal", "minimal, bool mask", *befores):
                 if name in groups[group]:
                     runs[(group, name, "compiled")] = torch.compile(groups[group][name], fullgraph=True)
