@@ -51,7 +51,7 @@ BENCHMARKS = {
                "TorchRL-style losses, eager and compiled, before / after; the newer losses against their "
                "naive form; bytes saved for backward",
                "python benchmarks/bench_losses.py --threads 1 --before NAME=DIR  "
-               "# DIR holds old_losses.py / old_kl.py from git show <commit>"),
+               "# DIR holds old_losses.py and the old_<module>.py it imports (old_kl, old_ratios), from git show <commit>"),
     "distributed": ("bench_distributed.py",
                     "one training step on 1 process vs 2 processes (FSDP2, DDP): step time and memory per rank",
                     "python benchmarks/bench_distributed.py"),
