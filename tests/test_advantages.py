@@ -301,7 +301,7 @@ def test_gae_masked_equals_sliced():
 def test_gae_empty_mask_and_sequence_rewards():
     adv, ret = gae(torch.full((2, 5), NAN), torch.full((2, 5), NAN), torch.zeros(2, 5, dtype=torch.bool))
     assert torch.equal(adv, torch.zeros(2, 5)) and torch.equal(ret, torch.zeros(2, 5))
-    rewards, values, mask = _random_tokens(3, 20, seed=1)
+    _, values, mask = _random_tokens(3, 20, seed=1)
     seq = torch.tensor([1.0, -2.0, 0.5])
     adv, ret = gae(seq, values, mask, gamma=0.99, lam=0.95)
     token = torch.zeros(3, 20)
@@ -309,6 +309,7 @@ def test_gae_empty_mask_and_sequence_rewards():
     token[torch.arange(3), last] = seq
     adv_ref, ret_ref = gae_ref(token, values, mask, 0.99, 0.95)
     _close(adv, adv_ref)
+    _close(ret, ret_ref)
 
 
 def test_gae_bf16_batch_and_no_grad():
@@ -376,7 +377,7 @@ def test_kl_penalized_rewards_hand_derived_and_reference():
     mask = torch.tensor([[True, True, False]])
     out = kl_penalized_rewards(torch.tensor([1.0]), lp, ref, mask, kl_coef=0.1)
     torch.testing.assert_close(out, torch.tensor([[-0.05, 1.0, 0.0]]))
-    rewards, lp, mask = _random_tokens(4, 12, seed=9)
+    _, lp, mask = _random_tokens(4, 12, seed=9)
     ref = lp + 0.3 * torch.randn(4, 12)
     seq = torch.randn(4)
     lp.requires_grad_()
