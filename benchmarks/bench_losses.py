@@ -36,7 +36,10 @@ The peer formulations are re-implementations written for this benchmark, followi
 libraries' published per-token computations; they are not their code.
 
 PPO and GRPO also run under ``torch.compile(fullgraph=True)`` (torchforge, the befores,
-the minimal formulas; ``--no-compile`` skips it). Reported: median ms, ratio to the minimal formula
+the minimal formulas; ``--no-compile`` skips it). On a CPU, ``--kernels`` adds where a
+compiled step spends its time: each C++ kernel inductor generates for torchforge and the two
+minimal formulas, forward and backward, timed by the profiler (inductor's
+``cpp.enable_kernel_profile``), in a second table. Reported: median ms, ratio to the minimal formula
 and to torchforge (same mode), and the bytes autograd saves for the backward (a
 device-independent proxy for peak memory; CUDA also reports the peak allocated).
 
@@ -45,7 +48,7 @@ allocator keeps GPU memory: otherwise eager timings include the OS zeroing fresh
 which moves them by up to 30% with the order of the variants. ``--fresh-pages`` keeps
 glibc's default.
 
-Usage: python benchmarks/bench_losses.py [--quick] [--no-compile] [--before NAME=DIR ...] [--device cuda] [--threads N] [--fresh-pages]
+Usage: python benchmarks/bench_losses.py [--quick] [--no-compile] [--kernels] [--before NAME=DIR ...] [--device cuda] [--threads N] [--fresh-pages]
 Writes benchmarks/results/losses.md.
 """
 
@@ -307,6 +310,42 @@ def step(fn, lp0, d, sync):
     return (time.perf_counter() - start) * 1e3
 
 
+def compiled_kernels(variants, lp0, d, sync, steps: int):
+    """``[(group, name, phase, kernel, median ms per step)]``: the CPU kernels of each
+    compiled variant, forward and backward, from the profiler with inductor's kernel
+    profiling on, one profiled step at a time."""
+    import torch._inductor.config as inductor_config
+    from torch.profiler import profile
+
+    rows = []
+    torch._dynamo.reset()  # compile again, with the kernels' profiling compiled in
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):
+        for (group, name), fn in variants.items():
+            compiled = torch.compile(fn, fullgraph=True)
+            for _ in range(2):
+                step(compiled, lp0, d, sync)
+            per_step = {}
+            for _ in range(steps):
+                with profile() as prof:
+                    step(compiled, lp0, d, sync)
+                total = {}
+                for event in prof.events():
+                    if not event.name.startswith("graph_"):
+                        continue
+                    parent, phase = event.cpu_parent, "forward"
+                    while parent is not None:
+                        if parent.name == "CompiledFunctionBackward":
+                            phase = "backward"
+                        parent = parent.cpu_parent
+                    kernel = event.name.split("_cpp_fused_", 1)[-1]
+                    total[(phase, kernel)] = total.get((phase, kernel), 0.0) + event.cpu_time_total / 1e3
+                for key, ms in total.items():
+                    per_step.setdefault(key, []).append(ms)
+            rows += [(group, name, phase, kernel, statistics.median(ms))
+                     for (phase, kernel), ms in per_step.items()]
+    return rows
+
+
 def machine() -> str:
     try:
         return next(line.split(":", 1)[1].strip() for line in
@@ -343,6 +382,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shape, few repeats")
     parser.add_argument("--no-compile", action="store_true", help="eager only")
+    parser.add_argument("--kernels", action="store_true",
+                        help="CPU: also time each kernel of the compiled torchforge and minimal variants")
     parser.add_argument("--before", action="append", default=[], metavar="NAME=DIR",
                         help="a variant NAME from DIR/old_losses.py (and DIR/old_<module>.py); repeatable")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -428,6 +469,13 @@ def main():
     saved = {(group, name): saved_bytes(fn, lp0, d) / 2**20
              for group, variants in groups.items() for name, fn in variants.items()}
 
+    kernels = []
+    if args.kernels and device.type == "cpu" and not args.no_compile:
+        kernels = compiled_kernels(
+            {(group, name): groups[group][name] for group in ("ppo_loss", "grpo_loss")
+             for name in ("torchforge", "minimal", "minimal, bool mask")},
+            lp0, d, sync, steps=repeats)
+
     where = torch.cuda.get_device_name() if device.type == "cuda" else machine()
     lines = [
         "## Losses: forward + backward (benchmarks/bench_losses.py)",
@@ -458,7 +506,24 @@ def main():
          "A `--before NAME=DIR` variant is an older losses.py, "
          "`DIR/old_losses.py`, timed in the same process."),
         "",
+    ]
+    if kernels:
+        lines += [
+            "### Where a compiled step spends its time (`--kernels`)",
+            "",
+            f"Each inductor kernel's time in a step (median of {repeats} steps, each profiled on its "
+            "own); a kernel's name lists the ops fused into it. torchforge and "
+            "`minimal, bool mask` read the bool mask in their kernels, `minimal` a float mask made "
+            "before the step: the same kernels apart from the mask's dtype.",
+            "",
+            "| loss | variant | phase | kernel (fused ops) | ms per step |",
+            "| --- | --- | --- | --- | ---: |",
+            *(f"| {group} | {name} | {phase} | `{kernel}` | {ms:.2f} |" for group, name, phase, kernel, ms in kernels),
+            "",
+        ]
+    lines += [
         (f"Run: `python benchmarks/bench_losses.py{' --threads ' + str(args.threads) if args.threads else ''}"
+         f"{' --kernels' if kernels else ''}"
          f"{''.join(f' --before {spec}' for spec in args.before)}{' --fresh-pages' if args.fresh_pages else ''}`."),
         "",
     ]

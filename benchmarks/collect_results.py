@@ -50,7 +50,7 @@ BENCHMARKS = {
                "`ppo_loss` / `grpo_loss` forward + backward against a minimal formula and TRL / verl / "
                "TorchRL-style losses, eager and compiled, before / after; the newer losses against their "
                "naive form; bytes saved for backward",
-               "python benchmarks/bench_losses.py --threads 1 --before NAME=DIR  "
+               "python benchmarks/bench_losses.py --threads 1 --kernels --before NAME=DIR  "
                "# DIR holds old_losses.py and the old_<module>.py it imports (old_kl, old_ratios), from git show <commit>"),
     "distributed": ("bench_distributed.py",
                     "one training step on 1 process vs 2 processes (FSDP2, DDP): step time and memory per rank",
