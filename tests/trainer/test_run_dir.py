@@ -3,9 +3,11 @@
 The behaviour is tested through the ``torchforge`` command in a subprocess, as a user runs it.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import pytest
 from torchforge.trainer.cli import main
 from torchforge.trainer.run_dir import (
     StopOnInterrupt,
+    earlier_run,
     holds_run,
     last_checkpoint_step,
     prepare_output_dir,
@@ -67,6 +70,34 @@ def test_a_new_run_into_a_run_folder_is_refused_and_changes_nothing_then_overwri
     assert _steps(run) == [1]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000001"]
     assert (run / "notes.txt").read_text() == "mine"
+
+
+def test_from_python_a_second_run_into_a_run_folder_is_refused_and_changes_nothing(tmp_path):
+    from torchforge import RLTrainer
+    from torchforge.trainer.demo import demo_config
+
+    config = demo_config(max_steps=2, save_steps=1, prompts_per_step=4, num_generations=4, max_completion_length=4,
+                         progress_bar=False, output_dir=str(tmp_path / "run"))
+    trainer = RLTrainer(config=config)
+    trainer.train()
+    before = _snapshot(tmp_path / "run")
+    message = (f"RLTrainer: output_dir '{tmp_path / 'run'}' already holds a run (checkpoint at step 2); continue it "
+               "with RLConfig(resume=True), or choose a new output_dir")
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        RLTrainer(config=config)  # a notebook cell run twice
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        trainer.train()  # the same trainer, trained again from step 0
+    assert _snapshot(tmp_path / "run") == before  # not one byte, not one mtime
+    resumed = RLTrainer(config=dataclasses.replace(config, resume=True))
+    assert resumed.train()["steps"] == 2 and _steps(tmp_path / "run") == [1, 2]
+
+
+def test_earlier_run_says_what_the_folder_holds(tmp_path):
+    assert earlier_run(tmp_path) is None and earlier_run(tmp_path / "missing") is None
+    (tmp_path / "config.yaml").write_text("a: 1\n")  # a run that failed before its first step
+    assert earlier_run(tmp_path) is None
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert earlier_run(tmp_path) == "a run"
 
 
 def test_resume_of_a_finished_run_says_so_and_changes_nothing(tmp_path):

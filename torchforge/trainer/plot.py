@@ -50,6 +50,8 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
+    for ax in axes.flat[len(PANELS):]:  # an odd number of panels leaves one cell of the grid empty
+        ax.remove()
     fig.suptitle(str(Path(run_dir).resolve().name))
     fig.savefig(out, dpi=110)
     plt.close(fig)

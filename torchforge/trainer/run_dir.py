@@ -25,7 +25,7 @@ from torchforge.distributed.checkpoint import latest_checkpoint
 from torchforge.errors import InvalidArgumentError, TorchforgeError
 
 __all__ = [
-    "RUN_FILES", "RunInterrupted", "holds_run", "last_checkpoint_step",
+    "RUN_FILES", "RunInterrupted", "holds_run", "earlier_run", "last_checkpoint_step",
     "prepare_output_dir", "check_writable", "truncate_metrics", "StopOnInterrupt",
 ]
 
@@ -79,6 +79,26 @@ def last_checkpoint_step(output_dir: str | os.PathLike) -> int | None:
     return None if latest is None else int(latest.name.split("-", 1)[1])
 
 
+def earlier_run(output_dir: str | os.PathLike) -> str | None:
+    """The run ``output_dir`` holds, in a few words (``"a run (checkpoint at step 4)"``), or
+    None when it holds none (see :func:`holds_run`).
+
+    Args:
+        output_dir: a folder (need not exist).
+
+    Returns:
+        str or None.
+
+    Example:
+        >>> earlier_run("/nonexistent/run") is None
+        True
+    """
+    if not holds_run(output_dir):
+        return None
+    step = last_checkpoint_step(output_dir)
+    return f"a run (checkpoint at step {step})" if step is not None else "a run"
+
+
 def check_writable(output_dir: str | os.PathLike) -> None:
     """Raise ``InvalidArgumentError`` unless ``output_dir`` is (or can be created as) a writable folder.
 
@@ -124,7 +144,8 @@ def prepare_output_dir(output_dir: str | os.PathLike, *, resume: bool, overwrite
         raise InvalidArgumentError("--resume and --overwrite together; expected one of them (continue, or start over)")
     check_writable(output_dir)
     root = Path(output_dir)
-    if not holds_run(root) or resume:
+    held = earlier_run(root)
+    if held is None or resume:
         return None
     if overwrite:
         for name in RUN_FILES:
@@ -134,10 +155,8 @@ def prepare_output_dir(output_dir: str | os.PathLike, *, resume: bool, overwrite
             elif path.exists() or path.is_symlink():
                 path.unlink()
         return f"--overwrite: deleted the earlier run in {root}"
-    step = last_checkpoint_step(root)
-    what = f"a run (checkpoint at step {step})" if step is not None else "a run"
     raise InvalidArgumentError(
-        f"output_dir {str(root)!r} already holds {what}; continue it with --resume, replace it with "
+        f"output_dir {str(root)!r} already holds {held}; continue it with --resume, replace it with "
         "--overwrite, or choose a new output_dir"
     )
 

@@ -77,7 +77,7 @@ from torchforge.trainer.lora import (
     export_merged,
     shard_lora,
 )
-from torchforge.trainer.run_dir import RunInterrupted, StopOnInterrupt
+from torchforge.trainer.run_dir import RunInterrupted, StopOnInterrupt, earlier_run
 from torchforge.trainer.tracking import MetricsLogger
 
 __all__ = ["RLTrainer"]
@@ -209,6 +209,8 @@ class RLTrainer:
         environment_factory: Callable[[], Any] | None = None,
     ) -> None:
         self.config = _checked_config(config)
+        self.output_dir = Path(self.config.output_dir)
+        self._check_new_run()
         self.eval_dataset = eval_dataset
         self.peft_config = peft_config if peft_config is not None else self.config.lora
         if environment_factory is not None and self.config.dynamic_sampling:
@@ -226,10 +228,20 @@ class RLTrainer:
         self.algorithm = self._build_algorithm(algorithm)
         self._build_models(model)
         self._build_optimizer()
-        self.output_dir = Path(self.config.output_dir)
         self.step = 0
         self.history: list[dict[str, float]] = []
         self._order_cache: tuple[int, torch.Tensor] | None = None
+
+    def _check_new_run(self) -> None:
+        """One run per folder (:mod:`torchforge.trainer.run_dir`): unless resuming, never write
+        into an ``output_dir`` that holds a run, whose metrics and checkpoints would be lost
+        or mixed with this one's."""
+        held = None if self.config.resume else earlier_run(self.output_dir)
+        if held is not None:
+            raise InvalidArgumentError(
+                f"RLTrainer: output_dir {str(self.output_dir)!r} already holds {held}; continue it with "
+                "RLConfig(resume=True), or choose a new output_dir (`torchforge train --overwrite` replaces a run)"
+            )
 
     # --- building ------------------------------------------------------------------------------
 
@@ -721,6 +733,7 @@ class RLTrainer:
             ``final_model`` and ``plot``.
         """
         cfg = self.config
+        self._check_new_run()  # this trainer's own earlier train() counts too
         if is_main_process():
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
