@@ -1,7 +1,5 @@
 """``python -m torchforge ...`` and ``torchrun -m torchforge ...``: the ``torchforge`` command."""
 
-import sys
+from torchforge.trainer.cli import run
 
-from torchforge.trainer.cli import main
-
-sys.exit(main())
+run()

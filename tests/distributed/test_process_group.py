@@ -41,3 +41,31 @@ def test_launch_errors(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(TorchforgeError, match=r"launch: already inside a distributed run \(WORLD_SIZE=2\)"):
         launch(2, ["train"])
+
+
+def test_end_process_exits_with_the_status_after_flushing_and_skips_the_shutdown():
+    import subprocess
+    import sys
+
+    code = ("import atexit; from torchforge.distributed import end_process; "
+            "atexit.register(print, 'shutdown ran'); print('done', end=''); end_process(3)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (3, "done")  # flushed; the atexit handler never ran
+
+
+def test_the_command_in_a_torchrun_worker_exits_through_end_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    # a settings mistake: status 2, the one error line on stderr, and no shutdown (TORCHELASTIC_RUN_ID set)
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "test", "HF_HUB_OFFLINE": "1"}
+    code = ("import atexit; atexit.register(print, 'shutdown ran'); import runpy; "
+            "runpy.run_module('torchforge', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code, "train", "max_stepz=1", f"output_dir={tmp_path}"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2 and "max_stepz" in out.stderr and "shutdown ran" not in out.stdout
+    env.pop("TORCHELASTIC_RUN_ID")
+    out = subprocess.run([sys.executable, "-c", code, "train", "max_stepz=1", f"output_dir={tmp_path}"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2 and "shutdown ran" in out.stdout  # outside torchrun: a normal exit

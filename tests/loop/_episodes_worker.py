@@ -85,3 +85,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from torchforge.distributed import end_process
+
+    end_process(0)  # every result is written: skip the shutdown where gloo can abort

@@ -178,7 +178,7 @@ def test_evaluate_on_two_processes_matches_one(tmp_path, strategy):
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from torchforge.distributed import init_distributed, rank, teardown_distributed
+    from torchforge.distributed import end_process, init_distributed, rank, teardown_distributed
 
     torch.set_num_threads(1)
     assert init_distributed()
@@ -187,3 +187,4 @@ if __name__ == "__main__":
         torch.save(result, Path(sys.argv[1]) / f"eval_rank{rank()}.pt")
     finally:
         teardown_distributed()
+    end_process(0)  # every result is written: skip the shutdown where gloo can abort

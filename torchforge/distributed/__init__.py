@@ -38,6 +38,7 @@ from torchforge.distributed.parallelize import (
 )
 from torchforge.distributed.process_group import (
     barrier,
+    end_process,
     init_distributed,
     is_distributed,
     is_main_process,
@@ -52,6 +53,7 @@ __all__ = [
     "DistributedConfig",
     "init_distributed",
     "teardown_distributed",
+    "end_process",
     "is_distributed",
     "world_size",
     "rank",

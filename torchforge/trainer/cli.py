@@ -32,14 +32,14 @@ import re
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import yaml
 
 from torchforge.errors import InvalidArgumentError, TorchforgeError
 from torchforge.trainer.run_dir import RunInterrupted, last_checkpoint_step, prepare_output_dir
 
-__all__ = ["main", "load_run_config", "import_object", "check_run", "build_trainer"]
+__all__ = ["main", "run", "load_run_config", "import_object", "check_run", "build_trainer"]
 
 _RUN_KEYS = {
     "model": "a local Hugging Face folder (none: the embedded demo)",
@@ -639,3 +639,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = "" if args.debug else " (--debug prints the traceback)"
         print(f"error: {cause if cause is not None else error}{hint}", file=sys.stderr)
         return 1
+
+
+def run() -> NoReturn:
+    """The ``torchforge`` command as a process (``python -m torchforge``, the installed
+    script): :func:`main`, whose status is the exit status.
+
+    A worker of a distributed run (started by ``torchrun`` or ``--nproc``) ends through
+    :func:`torchforge.distributed.end_process`, so that a shutdown abort in gloo's threads
+    after the run is done cannot turn its status into a failure.
+
+    Args:
+        None.
+
+    Returns:
+        Never.
+    """
+    from torchforge.distributed import end_process
+
+    code = main()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        end_process(code)
+    sys.exit(code)
