@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from torchforge.distributed import (
@@ -44,9 +48,6 @@ def test_launch_errors(monkeypatch):
 
 
 def test_end_process_exits_with_the_status_after_flushing_and_skips_the_shutdown():
-    import subprocess
-    import sys
-
     code = ("import atexit; from torchforge.distributed import end_process; "
             "atexit.register(print, 'shutdown ran'); print('done', end=''); end_process(3)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -54,10 +55,6 @@ def test_end_process_exits_with_the_status_after_flushing_and_skips_the_shutdown
 
 
 def test_the_command_in_a_torchrun_worker_exits_through_end_process(tmp_path):
-    import os
-    import subprocess
-    import sys
-
     # a settings mistake: status 2, the one error line on stderr, and no shutdown (TORCHELASTIC_RUN_ID set)
     env = {**os.environ, "TORCHELASTIC_RUN_ID": "test", "HF_HUB_OFFLINE": "1"}
     code = ("import atexit; atexit.register(print, 'shutdown ran'); import runpy; "

@@ -488,13 +488,18 @@ def _complete(output_dir: Any, total_steps: int) -> str | None:
     return None
 
 
+def _inside_torchrun() -> bool:
+    """Whether this process is a worker that torchrun (or ``--nproc``) started."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def _train(args: argparse.Namespace) -> int:
     from torchforge.distributed import is_main_process, launch, teardown_distributed
 
     _import_path(args.config)
     launch_settings = _launch_settings(args)
     values = load_run_config(args.config, args.overrides)
-    inside_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    inside_torchrun = _inside_torchrun()
     processes = int(os.environ.get("WORLD_SIZE", "1")) if inside_torchrun else (
         launch_settings["nproc"] * launch_settings["nnodes"])
     run = check_run(values, num_processes=processes)
@@ -658,6 +663,6 @@ def run() -> NoReturn:
     from torchforge.distributed import end_process
 
     code = main()
-    if "TORCHELASTIC_RUN_ID" in os.environ:
+    if _inside_torchrun():
         end_process(code)
     sys.exit(code)
