@@ -43,7 +43,7 @@ from torchforge.errors import (
     shape_str,
 )
 from torchforge.kl import approx_kl
-from torchforge.reduce import masked_var, masked_whiten, pooled_var
+from torchforge.reduce import _count, masked_var, masked_whiten, pooled_var
 
 __all__ = [
     "GROUP_SCALES",
@@ -549,7 +549,7 @@ def opo_advantages(
             f"expected ({mask.shape[0]},)"
         )
     d, valid, _, tied = _deviations(groups, rewards)
-    lengths = groups.view(mask.sum(-1).float()) * valid
+    lengths = groups.view(_count(mask, -1).float()) * valid
     total = groups.sum(lengths)
     b = groups.sum(lengths * d) / total.clamp(min=1)
     kept = (~tied & (total > 0)).float()
@@ -640,7 +640,7 @@ def _compact_rewards(fn: str, rewards: torch.Tensor, mask: torch.Tensor, dest: t
     _check_rewards(fn, rewards, mask)
     if rewards.dim() == 2:
         return _compact(rewards.float(), dest, width)[:, :width]
-    n = mask.sum(-1, keepdim=True)
+    n = _count(mask, -1, keepdim=True)
     last = (n - 1).masked_fill_(n == 0, width + 1)
     out = rewards.new_zeros(rewards.shape[0], width + 2, dtype=torch.float32)
     return out.scatter_(1, last, rewards.float().unsqueeze(-1))[:, :width]

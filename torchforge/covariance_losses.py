@@ -27,7 +27,7 @@ from torchforge.ratios import (
     _masked_log_ratio,
     _ratio_metrics,
 )
-from torchforge.reduce import Aggregation, masked_mean
+from torchforge.reduce import Aggregation, _count, masked_mean
 
 __all__ = ["clip_cov_loss", "kl_cov_loss"]
 
@@ -56,7 +56,7 @@ def _selection_count(fn, select_frac, mask) -> tuple[torch.Tensor, int]:
     sync), and its bound from the shape, ``max(floor(select_frac * B * T), 1)``."""
     if not 0 < select_frac <= 1:
         raise InvalidArgumentError(f"{fn}: select_frac must be in (0, 1], got {select_frac}")
-    return torch.floor(select_frac * mask.sum()).clamp(min=1), max(int(select_frac * mask.numel()), 1)
+    return torch.floor(select_frac * _count(mask)).clamp(min=1), max(int(select_frac * mask.numel()), 1)
 
 
 @batch_args

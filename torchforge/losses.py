@@ -51,7 +51,7 @@ from torchforge.ratios import (
     _ratio_metrics,
     _sequence_log_ratio,
 )
-from torchforge.reduce import Aggregation, masked_mean
+from torchforge.reduce import Aggregation, _count, masked_mean
 
 __all__ = ["grpo_loss", "ppo_loss", "reinforce_loss"]
 
@@ -95,7 +95,7 @@ def _check_clip(fn: str, clip_low, clip_high, dual_clip=None) -> float:
 def _aggregate(fn: str, per_token: torch.Tensor, mask: torch.Tensor, aggregation, count=None) -> torch.Tensor:
     """``aggregate(per_token, mask, **aggregation)``, its errors naming the loss ``fn``.
 
-    ``count``: this call's token count ``mask.sum()`` when the loss has it already; a
+    ``count``: this call's token count ``_count(mask)`` when the loss has it already; a
     mode name without global counts then reuses it instead of counting again."""
     aggregation = Aggregation.of(aggregation)
     if count is not None and aggregation.num_tokens is None and aggregation.dp_size == 1:
@@ -108,20 +108,20 @@ def _aggregate(fn: str, per_token: torch.Tensor, mask: torch.Tensor, aggregation
 
 def _token_count(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(N, max(N, 1))``: the counted tokens, and the divisor of the metrics."""
-    num_tokens = torch.count_nonzero(mask)
+    num_tokens = _count(mask)
     return num_tokens, num_tokens.clamp(min=1)
 
 
 def _frac(flags: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Fraction of the ``count`` counted tokens where the bool ``flags`` hold; ``flags``
     must be False where nothing is counted (every ratio is exactly 1 there)."""
-    return torch.count_nonzero(flags) / count
+    return _count(flags) / count
 
 
 def _frac_by_sign(flags: torch.Tensor, A: torch.Tensor, count: torch.Tensor):
     """``(_frac(flags & (A < 0)), _frac(flags & (A > 0)))``; one count per row when ``A`` is [B, 1]."""
     if A.shape[-1] == 1:
-        per_row = torch.count_nonzero(flags, dim=-1)
+        per_row = _count(flags, -1)
         A = A.squeeze(-1)
         return (per_row * (A < 0)).sum() / count, (per_row * (A > 0)).sum() / count
     return _frac(flags & (A < 0), count), _frac(flags & (A > 0), count)

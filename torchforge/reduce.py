@@ -102,6 +102,16 @@ def _sum(x: torch.Tensor, dim: int | None, keepdim: bool = False) -> torch.Tenso
     return x.sum() if dim is None else x.sum(dim, keepdim=keepdim)
 
 
+def _count(mask: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """The number of True positions of the bool ``mask`` (int64), over ``dim`` or all.
+
+    One op counts every mask: ``count_nonzero`` takes about half the time of
+    ``mask.sum()`` eagerly, and under ``torch.compile`` a loss and its metrics counting
+    the same mask share one count (identical ops are computed once)."""
+    count = torch.count_nonzero(mask, dim)
+    return count.unsqueeze(dim) if keepdim and dim is not None else count
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, *, dim: int | None = None) -> torch.Tensor:
     """Sum of ``values`` where ``mask`` is True.
 
@@ -160,8 +170,8 @@ def masked_mean(
     _check_ranks(fn, dim, sum_over_ranks)
     masked = _masked(fn, values, mask)
     if sum_over_ranks is None:
-        return _sum(masked, dim) / _sum(mask, dim).clamp(min=1)
-    total, count = _over_ranks(fn, sum_over_ranks, masked.sum(), mask.sum())
+        return _sum(masked, dim) / _count(mask, dim).clamp(min=1)
+    total, count = _over_ranks(fn, sum_over_ranks, masked.sum(), _count(mask))
     return (total / count.clamp(min=1)).float()
 
 
@@ -186,7 +196,7 @@ def _deviation_and_var(
     """
     _check_ranks(fn, dim, sum_over_ranks)
     x = _masked(fn, values, mask)
-    count, total = _over_ranks(fn, sum_over_ranks, _sum(mask, dim, keepdim=True), _sum(x, dim, keepdim=True))
+    count, total = _over_ranks(fn, sum_over_ranks, _count(mask, dim, keepdim=True), _sum(x, dim, keepdim=True))
     shift = (total / count.clamp(min=1)).float().detach()
     # d M2 / d mean = -2 sum (x - mean) = 0 over the whole batch, so the mean is a constant
     # in M2: the gradient is then exact on every rank, whose share of M2 alone would not be.
@@ -375,7 +385,7 @@ def _masked_extremum(fn: str, values, mask, dim, fill, largest: bool) -> torch.T
         return torch.full(shape, float(fill), device=values.device)
     reduce = torch.amax if largest else torch.amin
     extremum = reduce(filled) if dim is None else reduce(filled, dim)
-    return torch.where(_sum(mask, dim) > 0, extremum, float(fill))
+    return torch.where(_count(mask, dim) > 0, extremum, float(fill))
 
 
 def masked_max(values: torch.Tensor, mask: torch.Tensor, *, dim: int | None = None, fill: float = 0.0) -> torch.Tensor:
@@ -521,7 +531,7 @@ def aggregate(
                 f"{fn}: dp_size={dp_size} needs num_tokens, the token count over all ranks; "
                 "without it the per-rank means do not average to the global mean"
             )
-        count = mask.sum() if num_tokens is None else num_tokens
+        count = _count(mask) if num_tokens is None else num_tokens
         return dp_size * masked.sum() / _clamp_count(count)
 
     if num_sequences is None and dp_size > 1:
@@ -529,8 +539,8 @@ def aggregate(
             f"{fn}: dp_size={dp_size} with mode={mode!r} needs num_sequences, the count of "
             "sequences over all ranks"
         )
-    lengths = mask.sum(-1)
-    count = (lengths > 0).sum() if num_sequences is None else num_sequences
+    lengths = _count(mask, -1)
+    count = _count(lengths) if num_sequences is None else num_sequences
     if mode == "seq-mean-token-mean":
         total = (masked.sum(-1) / lengths.clamp(min=1)).sum()
     elif mode == "seq-mean-token-sum":
