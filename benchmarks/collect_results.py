@@ -21,7 +21,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-# name of the results file (without .md) -> (script, what it measures, how to run it)
+# name of the results file (without .md) -> (the script and the arguments that write it, as
+# run_all.py runs it; what it measures; how the recorded figures were run)
 BENCHMARKS = {
     "log_probs": ("bench_log_probs.py",
                   "token log-probs from logits (`token_log_probs`) and fused from hidden states + LM head "
@@ -46,7 +47,7 @@ BENCHMARKS = {
                    "or peer forms; `group_ids` against contiguous `group_size`; before / after",
                    "git show <commit before the change>:torchforge/advantages.py > /tmp/advantages_before.py; "
                    "python benchmarks/bench_advantages.py --threads 1 --before /tmp/advantages_before.py"),
-    "losses": ("bench_losses.py",
+    "losses": ("bench_losses.py --kernels",
                "`ppo_loss` / `grpo_loss` forward + backward against a minimal formula and TRL / verl / "
                "TorchRL-style losses, eager and compiled, before / after; the newer losses against their "
                "naive form; bytes saved for backward",
@@ -128,6 +129,8 @@ def build(results_dir: Path, out: Path) -> str:
         if run:
             lines += [command.strip() for command in run.split("; ")]
     lines += ["python benchmarks/collect_results.py", "```", "",
+              "`python benchmarks/run_all.py` runs the `script` column's invocations, each once with its "
+              "defaults, on the best device present, then regenerates this page (`--only NAME ...` for some).", "",
               "`--quick` on any script is a smoke run (small shapes, few repeats); some scripts write their "
               "results file even then, so run the full commands before regenerating this page.", "",
               summary_of(out), ""]
