@@ -32,6 +32,11 @@ per-token computation, as verl writes it: ``nonzero`` / ``randperm`` / ``topk`` 
 ``mask.float()`` (``minimal, bool mask``), eager and compiled: what reading a bool mask
 costs by itself.
 
+The mask is a padding mask (each row counts a prefix); ``--mask scattered`` counts each
+token with p = 0.6 instead, as a token-selecting correction (``high_entropy_mask``,
+``ratio_mask``) leaves it: inductor's CPU code loads a bool mask byte by byte, at a cost
+that depends on its pattern.
+
 The peer formulations are re-implementations written for this benchmark, following those
 libraries' published per-token computations; they are not their code.
 
@@ -48,7 +53,7 @@ allocator keeps GPU memory: otherwise eager timings include the OS zeroing fresh
 which moves them by up to 30% with the order of the variants. ``--fresh-pages`` keeps
 glibc's default.
 
-Usage: python benchmarks/bench_losses.py [--quick] [--no-compile] [--kernels] [--before NAME=DIR ...] [--device cuda] [--threads N] [--fresh-pages]
+Usage: python benchmarks/bench_losses.py [--quick] [--no-compile] [--kernels] [--mask scattered] [--before NAME=DIR ...] [--device cuda] [--threads N] [--fresh-pages]
 Writes benchmarks/results/losses.md.
 """
 
@@ -74,6 +79,8 @@ from torchforge.trust_region_losses import gmpo_loss, sapo_loss
 
 CLIP = 0.2
 BETA = 0.04
+MASKS = {"padding": "a padding mask (each row counts a prefix), ~60% of tokens counted",
+         "scattered": "a scattered mask (each token counted with p = 0.6)"}
 
 
 # --- PPO --------------------------------------------------------------------------------
@@ -392,6 +399,9 @@ def main():
                         help="CPU threads (default: torch's; 1 is steadier on a shared machine)")
     parser.add_argument("--fresh-pages", action="store_true",
                         help="leave glibc's allocator as it is (freed buffers may go back to the OS)")
+    parser.add_argument("--mask", choices=MASKS, default="padding",
+                        help="padding: each row counts a prefix (length uniform in [T/4, T]); "
+                             "scattered: each token counts with p = 0.6, as a token-selecting correction leaves it")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "losses.md"))
     args = parser.parse_args()
 
@@ -407,7 +417,10 @@ def main():
     ref = (old + 0.1 * torch.randn(B, T, generator=g)).to(device)
     adv = torch.randn(B, generator=g).to(device)
     lengths = torch.randint(T // 4, T + 1, (B,), generator=g)
-    mask = (torch.arange(T)[None, :] < lengths[:, None]).to(device)
+    if args.mask == "padding":
+        mask = (torch.arange(T)[None, :] < lengths[:, None]).to(device)
+    else:
+        mask = (torch.rand(B, T, generator=g) < 0.6).to(device)
     d = {"old": old.to(device), "ref": ref, "adv": adv, "mask": mask, "maskf": mask.float(),
          "adv_tok": adv[:, None].expand(B, T).contiguous(),  # verl / TorchRL carry per-token advantages
          "gen": torch.Generator(device=device).manual_seed(0)}
@@ -481,7 +494,7 @@ def main():
         "## Losses: forward + backward (benchmarks/bench_losses.py)",
         "",
         (f"Machine: {where}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-         f"device {device}. Shape [B, T] = [{B}, {T}], float32, token-mean, ~60% of tokens counted; "
+         f"device {device}. Shape [B, T] = [{B}, {T}], float32, token-mean, {MASKS[args.mask]}; "
          f"median of {repeats} interleaved runs"
          + ("; freed buffers kept in the process (benchmarks/_allocator.py)." if steady else ".")),
         "",
@@ -523,7 +536,7 @@ def main():
         ]
     lines += [
         (f"Run: `python benchmarks/bench_losses.py{' --threads ' + str(args.threads) if args.threads else ''}"
-         f"{' --kernels' if kernels else ''}"
+         f"{' --kernels' if kernels else ''}{' --mask ' + args.mask if args.mask != 'padding' else ''}"
          f"{''.join(f' --before {spec}' for spec in args.before)}{' --fresh-pages' if args.fresh_pages else ''}`."),
         "",
     ]
