@@ -34,8 +34,8 @@ costs by itself.
 
 The mask is a padding mask (each row counts a prefix); ``--mask scattered`` counts each
 token with p = 0.6 instead, as a token-selecting correction (``high_entropy_mask``,
-``ratio_mask``) leaves it: inductor's CPU code loads a bool mask byte by byte, at a cost
-that depends on its pattern.
+``ratio_mask``) leaves it. On a CPU both ATen's ``torch.where`` (eager) and inductor's bool
+load (compiled) handle the mask element by element, at a cost that depends on its pattern.
 
 The peer formulations are re-implementations written for this benchmark, following those
 libraries' published per-token computations; they are not their code.
@@ -79,7 +79,7 @@ from torchforge.trust_region_losses import gmpo_loss, sapo_loss
 
 CLIP = 0.2
 BETA = 0.04
-MASKS = {"padding": "a padding mask (each row counts a prefix), ~60% of tokens counted",
+MASKS = {"padding": "a padding mask (each row counts a prefix of length uniform in [T/4, T]), ~60% of tokens counted",
          "scattered": "a scattered mask (each token counted with p = 0.6)"}
 
 
@@ -400,8 +400,7 @@ def main():
     parser.add_argument("--fresh-pages", action="store_true",
                         help="leave glibc's allocator as it is (freed buffers may go back to the OS)")
     parser.add_argument("--mask", choices=MASKS, default="padding",
-                        help="padding: each row counts a prefix (length uniform in [T/4, T]); "
-                             "scattered: each token counts with p = 0.6, as a token-selecting correction leaves it")
+                        help="; ".join(f"{name}: {what}" for name, what in MASKS.items()))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "losses.md"))
     args = parser.parse_args()
 
