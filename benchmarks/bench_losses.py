@@ -400,7 +400,7 @@ def main():
     parser.add_argument("--fresh-pages", action="store_true",
                         help="leave glibc's allocator as it is (freed buffers may go back to the OS)")
     parser.add_argument("--mask", choices=MASKS, default="padding",
-                        help="; ".join(f"{name}: {what}" for name, what in MASKS.items()))
+                        help="; ".join(f"{name}: {what}" for name, what in MASKS.items()).replace("%", "%%"))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "losses.md"))
     args = parser.parse_args()
 
