@@ -24,7 +24,12 @@ from the start of the call, so inputs do not count and everything the call alloc
 of ``hidden`` and ``weight`` (which every method must return) are subtracted and shown
 as a fraction of one [N, V] float32 logits tensor. On CUDA, ``torch.cuda.max_memory_allocated``.
 
-Usage: ``python benchmarks/bench_log_probs.py [--quick] [--repeats R] [--hidden H]``.
+One run measures the device's plan (``PLANS``): on CUDA, V = 32000 and 128256 at N = 8192;
+on a CPU, V = 32000 at N = 8192 and V = 128256 at N = 2048 (the baselines at 8192 x 128256
+need ~17 GB), then the fused kernel's memory alone at N = 8192, V = 128256. ``--tokens`` /
+``--vocabs`` measure one setting instead.
+
+Usage: ``python benchmarks/bench_log_probs.py [--quick] [--repeats R] [--hidden H] [--tokens N] [--vocabs V,...]``.
 Writes ``benchmarks/results/log_probs.md``.
 """
 
@@ -191,6 +196,19 @@ def machine_description(device):
 # Main
 # ----------------------------------------------------------------------------------------
 
+# What one run measures on each device when neither --tokens nor --vocabs is given:
+# (N, vocabs) settings, each against every baseline, and the vocabs whose fused kernel's
+# memory is measured alone at N = 8192. On a CPU the baselines at N = 8192 x V = 128256 need
+# ~17 GB (the [N, V] fp32 logits are 4.2 GB, and (a) / (b) make three more), more than a
+# 24 GiB machine shared with other jobs gives: V = 128256 runs against them at N = 2048, and
+# the fused kernel alone at N = 8192.
+PLANS = {
+    "cuda": ([(8192, (32000, 128256))], ()),
+    "cpu": ([(8192, (32000,)), (2048, (128256,))], (128256,)),
+}
+MEMORY_TOKENS = 8192
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="N=1024, V=32000 only")
@@ -198,20 +216,44 @@ def main():
     parser.add_argument("--hidden", type=int, default=64, help="H of the fused LM head (small: CPU matmuls are slow)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "log_probs.md"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tokens", type=int, default=None, help="N (default 8192; 1024 with --quick)")
-    parser.add_argument("--vocabs", default=None, help="comma-separated V (default 32000,128256)")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="N of one setting (default: the device's plan, PLANS; 1024 with --quick)")
+    parser.add_argument("--vocabs", default=None,
+                        help="comma-separated V of one setting (default: the device's plan, PLANS)")
     parser.add_argument("--fused-memory-only", action="store_true",
                         help="only the fused kernel's peak memory (no baselines, which need 4x [N, V])")
     args = parser.parse_args()
     device = torch.device(args.device)
-    N = args.tokens or (1024 if args.quick else 8192)
-    vocabs = [int(v) for v in args.vocabs.split(",")] if args.vocabs else ([32000] if args.quick else [32000, 128256])
+    vocabs = tuple(int(v) for v in args.vocabs.split(",")) if args.vocabs else None
+    if args.quick:
+        settings, memory_vocabs = [(args.tokens or 1024, vocabs or (32000,))], ()
+    elif args.tokens or vocabs:
+        settings, memory_vocabs = [(args.tokens or 8192, vocabs or (32000, 128256))], ()
+    else:
+        settings, memory_vocabs = PLANS[device.type]
     if args.fused_memory_only:
-        return fused_memory_only(args.out, device, N, vocabs, args.hidden)
+        settings, memory_vocabs = [], vocabs or (128256,)
     repeats = args.repeats or 3
+    H = args.hidden
+    command = " ".join(["python benchmarks/bench_log_probs.py", *sys.argv[1:]])
+    header = ["## Token log-probs (`bench_log_probs.py`)", "", machine_description(device), "", f"Run: `{command}`.", ""]
+    sections = []
+    for N, setting_vocabs in settings:
+        # written after every (V, dtype, mode), so that a long run leaves its results so far
+        for lines in measure_setting(device, N, setting_vocabs, H, repeats, args.quick):
+            write_markdown(args.out, header + [line for section in sections for line in section] + lines)
+        sections.append(lines)
+    if memory_vocabs:
+        sections.append(fused_memory_only(device, args.tokens or MEMORY_TOKENS, memory_vocabs, H))
+        write_markdown(args.out, header + [line for section in sections for line in section])
+
+
+def measure_setting(device, N, vocabs, H, repeats, quick):
+    """Time and memory of ``token_log_probs`` and ``fused_token_log_probs`` against the
+    baselines at N tokens for each V in ``vocabs``; yields the setting's markdown section
+    after every (V, dtype, mode), the last one complete."""
     B = 8
     T = N // B
-    H = args.hidden
     dtypes = [torch.float32, torch.bfloat16]
     modes = ["fwd", "fwd+bwd"]
 
@@ -254,13 +296,13 @@ def main():
                     print(f"V={V} {str(dtype)[6:]} {mode:8s} {name:34s} {fmed[name]*1e3:9.1f} ms  "
                           f"peak-grads {(peak-grads)/MiB:8.1f} MiB", flush=True)
                 del hidden, weight
-                # written after every setting, so that a long run leaves its results so far
-                write_markdown(args.out, rows, fused_rows, device, N, H, repeats, args.quick)
+                yield setting_section(rows, fused_rows, N, vocabs, H, repeats, quick)
             del logits
 
 
-def fused_memory_only(path, device, N, vocabs, H):
-    """Peak extra memory of fused_token_log_probs alone, where the baselines do not fit."""
+def fused_memory_only(device, N, vocabs, H):
+    """Peak extra memory of fused_token_log_probs alone, where the baselines do not fit;
+    returns its markdown section."""
     out = [f"### Fused alone at N = {N} (H = {H}): peak extra memory", "",
            "`fused+softcap`: with Gemma's head transform on (`softcap=30`). Target: under 0.1 of one [N, V] "
            "fp32 logits tensor.", "",
@@ -283,18 +325,18 @@ def fused_memory_only(path, device, N, vocabs, H):
                     out.append(f"| {V} | {str(dtype)[6:]} | {mode} | {kind} | {(peak - grads) / MiB:.1f} | "
                                f"{(peak - grads) / ref:.3f} ({target}) | {ref / MiB:.0f} |")
                     print(out[-1], flush=True)
-    with open(path, "w") as f:
-        f.write("\n".join(out) + "\n")
+    return out + [""]
 
 
-def write_markdown(path, rows, fused_rows, device, N, H, repeats, quick):
-    out = ["## Token log-probs (`bench_log_probs.py`)", "", machine_description(device), ""]
+def setting_section(rows, fused_rows, N, vocabs, H, repeats, quick):
+    """The markdown section of one (N, vocabs) setting."""
+    out = [f"### N = {N}, V = {', '.join(map(str, vocabs))}", ""]
     out.append(
         f"N = {N} tokens (B=8 x T={N // 8}), logits ~ 3 * randn; median of {repeats} interleaved repeats"
         f"{' (--quick)' if quick else ''}. Peak = peak extra memory allocated during one call "
         "(torch.profiler memory events on CPU, `max_memory_allocated` on CUDA), inputs not counted."
     )
-    out += ["", "### From logits: `token_log_probs` vs (a), (b), (c)", ""]
+    out += ["", "#### From logits: `token_log_probs` vs (a), (b), (c)", ""]
     out.append("| V | dtype | mode | method | median ms | vs ours | peak MiB | peak / logits size |")
     out.append("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
     ours_ms = {(V, d, m): ms for V, d, m, n, ms, _, _ in rows if n == "ours"}
@@ -304,7 +346,7 @@ def write_markdown(path, rows, fused_rows, device, N, H, repeats, quick):
             f"| {V} | {str(dtype)[6:]} | {mode} | {name} | {ms:.1f} | {ratio:.2f}x | {peak / MiB:.1f} | "
             f"{peak / logits_bytes:.2f} |"
         )
-    out += ["", f"### Fused from hidden states (H = {H}): `fused_token_log_probs` vs matmul + fastest of (a)-(c)", ""]
+    out += ["", f"#### Fused from hidden states (H = {H}): `fused_token_log_probs` vs matmul + fastest of (a)-(c)", ""]
     out.append("Peak excludes the gradients of hidden and weight that every method returns; "
                "the last column divides it by one [N, V] float32 logits tensor.")
     out.append("")
@@ -316,16 +358,19 @@ def write_markdown(path, rows, fused_rows, device, N, H, repeats, quick):
             f"| {V} | {str(dtype)[6:]} | {mode} | {name} | {ms:.1f} | {ms / fused_ms[(V, dtype, mode)]:.2f}x | "
             f"{peak / MiB:.1f} | {peak / ref_bytes:.3f} |"
         )
-    out += ["", *targets_section(rows, fused_rows)]
+    return out + ["", *targets_section(rows, fused_rows), ""]
+
+
+def write_markdown(path, lines):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        f.write("\n".join(out) + "\n")
+        f.write("\n".join(lines).rstrip() + "\n")
     print(f"wrote {path}", flush=True)
 
 
 def targets_section(rows, fused_rows):
     """The issue's targets, checked against the measured numbers."""
-    out = ["### Targets", ""]
+    out = ["#### Targets", ""]
     ms = {(V, str(d)[6:], m, n): t for V, d, m, n, t, _, _ in rows}
     peak = {(V, str(d)[6:], m, n): (p, b) for V, d, m, n, _, p, b in rows}
     settings = sorted({(V, str(d)[6:]) for V, d, *_ in rows})

@@ -28,11 +28,7 @@ BENCHMARKS = {
                   "token log-probs from logits (`token_log_probs`) and fused from hidden states + LM head "
                   "(`fused_token_log_probs`) against log_softmax+gather, -cross_entropy and a per-row "
                   "logsumexp loop: time and peak memory, fp32 / bf16, forward and forward+backward",
-                  "python benchmarks/bench_log_probs.py --vocabs 32000; "
-                  "python benchmarks/bench_log_probs.py --vocabs 128256 --tokens 2048 --out /tmp/log_probs_128k.md; "
-                  "python benchmarks/bench_log_probs.py --fused-memory-only --vocabs 128256 --tokens 8192 "
-                  "--out /tmp/log_probs_mem.md  "
-                  "# log_probs.md holds these three tables, put together by hand"),
+                  "python benchmarks/bench_log_probs.py"),
     "kl": ("bench_kl.py",
            "`exact_kl` (chunked, recomputing backward) against the unchunked formula and `F.kl_div`: "
            "time and peak memory",
