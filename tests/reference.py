@@ -525,3 +525,73 @@ def adaptive_kl_coef_ref(kl_coef, observed_kl, target, horizon, num_steps):
     error = observed_kl / target - 1
     error = -0.2 if error < -0.2 else (0.2 if error > 0.2 else error)
     return kl_coef * (1 + error * num_steps / horizon)
+
+
+# --- policy losses at extreme log-ratios (float64 torch, differentiable) -----------------
+# Each loss's documented equation per token (gmpo: per row), with its clamp of the
+# log-ratio at +-max_log_ratio before exp, in float64 torch ops so that autograd gives the
+# reference gradient. Reduce with token_mean64 (gmpo: row_mean64, its default aggregation).
+
+def token_mean64(per_token, mask):
+    return torch.where(mask, per_token, 0.0).sum() / mask.sum().clamp(min=1)
+
+
+def row_mean64(per_row, mask):
+    """Mean over the rows with a counted token (0 without any)."""
+    rows = mask.any(-1)
+    return torch.where(rows, per_row, 0.0).sum() / rows.sum().clamp(min=1)
+
+
+def _ratio64(lp, old, mask, max_log_ratio, level="token"):
+    x = torch.where(mask, lp - old, 0.0)
+    if level == "sequence":  # GSPO-token: sg(mean log-ratio of the row) + x - sg(x)
+        mean = x.detach().sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        x = torch.where(mask, mean + x - x.detach(), 0.0)
+    return torch.exp(x.clamp(-max_log_ratio, max_log_ratio))
+
+
+def _adv64(adv):
+    return adv[:, None] if adv.dim() == 1 else adv
+
+
+def ppo_per_token64(lp, old, adv, mask, clip_low=0.2, clip_high=None, dual_clip=None, level="token",
+                    weights=None, max_log_ratio=20.0):
+    clip_high = clip_low if clip_high is None else clip_high
+    ratio, A = _ratio64(lp, old, mask, max_log_ratio, level), _adv64(adv)
+    pg_loss = torch.maximum(-A * ratio, -A * ratio.clamp(1 - clip_low, 1 + clip_high))
+    if dual_clip is not None:
+        pg_loss = torch.where(A < 0, torch.minimum(pg_loss, -dual_clip * A), pg_loss)
+    if weights is not None:
+        pg_loss = pg_loss * (weights[:, None] if weights.dim() == 1 else weights)
+    return pg_loss
+
+
+def k3_tangent64(lp, ref, max_ratio=2.0):
+    """k3 = r - 1 - log r with r = ref / pi, r continued along its tangent beyond max_ratio."""
+    log_r, knee = ref - lp, math.log(max_ratio)
+    r = torch.where(log_r > knee, max_ratio * (1 + log_r - knee), torch.exp(log_r))
+    return r - 1 - log_r
+
+
+def grpo_per_token64(lp, old, adv, mask, ref, kl_coef, **ppo):
+    return ppo_per_token64(lp, old, adv, mask, **ppo) + kl_coef * k3_tangent64(lp, ref)
+
+
+def cispo_per_token64(lp, old, adv, mask, clip_low, clip_high, max_log_ratio=20.0):
+    weight = _ratio64(lp, old, mask, max_log_ratio).detach().clamp(1 - clip_low, 1 + clip_high)
+    return -weight * _adv64(adv) * lp
+
+
+def sapo_per_token64(lp, old, adv, mask, tau_pos, tau_neg, max_log_ratio=20.0):
+    ratio, A = _ratio64(lp, old, mask, max_log_ratio), _adv64(adv)
+    tau = torch.where(A > 0, tau_pos, tau_neg)
+    return -A * (4 / tau) * torch.sigmoid(tau * (ratio - 1))
+
+
+def gmpo_per_row64(lp, old, adv, mask, clip_low, clip_high, max_log_ratio=20.0):
+    A = _adv64(adv).expand(mask.shape)
+    x = torch.where(mask, lp - old, 0.0)
+    clipped = torch.where(A > 0, x.clamp(max=clip_high), torch.where(A < 0, x.clamp(min=-clip_low), 0.0))
+    n = mask.sum(-1).clamp(min=1)
+    ratio = torch.exp((torch.where(mask, clipped, 0.0).sum(-1) / n).clamp(-max_log_ratio, max_log_ratio))
+    return -(torch.where(mask, A, 0.0).sum(-1) / n) * ratio

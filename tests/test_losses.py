@@ -13,8 +13,15 @@ from tensordict import TensorDict
 from tests._losses_common import _data, _grad
 from tests.reference import (
     aggregate_ref,
+    cispo_per_token64,
+    gmpo_per_row64,
+    grpo_per_token64,
     ppo_metrics_ref,
+    ppo_per_token64,
     ppo_per_token_ref,
+    row_mean64,
+    sapo_per_token64,
+    token_mean64,
     verl_low_var_kl_ref,
 )
 from torchforge.batch import Batch
@@ -424,6 +431,82 @@ def test_extreme_log_ratios_stay_finite():
         assert all(torch.isfinite(v) for v in metrics.values())
     assert torch.isfinite(policy_ratio(lp, old, mask)).all()
 
+
+
+# --- at the extremes: log-ratios of +-50 -------------------------------------------------
+
+def _extreme_data(B, T, seed, token_adv):
+    """Log-ratios uniform in [-50, 50], -50 and 50 themselves included: far past the clamp
+    at +-20 every loss documents (exp(20) = 4.9e8), where a ratio of 5e21 would swamp any
+    token-mean."""
+    g = torch.Generator().manual_seed(seed)
+    old = -3 * torch.rand(B, T, generator=g)
+    x = 100 * torch.rand(B, T, generator=g) - 50
+    x.view(-1)[0], x.view(-1)[-1] = 50.0, -50.0
+    ref = old - 100 * torch.rand(B, T, generator=g) + 50
+    adv = torch.randn((B, T) if token_adv else (B,), generator=g)
+    weights = torch.rand(B, T, generator=g)
+    mask = torch.rand(B, T, generator=g) < 0.7
+    return old + x, old, ref, adv, weights, mask
+
+
+EXTREME_LOSSES = {  # name: (torchforge, float64 per-token (gmpo: per-row) equation, its reduction)
+    "ppo": (lambda lp, old, ref, adv, w, m: ppo_loss(lp, old, adv, m),
+            lambda lp, old, ref, adv, w, m: ppo_per_token64(lp, old, adv, m), token_mean64),
+    "ppo dual-clip, clip-higher, weights": (
+        lambda lp, old, ref, adv, w, m: ppo_loss(lp, old, adv, m, w, clip_high=0.28, dual_clip=3.0),
+        lambda lp, old, ref, adv, w, m: ppo_per_token64(lp, old, adv, m, clip_high=0.28, dual_clip=3.0, weights=w),
+        token_mean64),
+    "gspo": (lambda lp, old, ref, adv, w, m: ppo_loss(lp, old, adv, m, ratio_level="sequence"),
+             lambda lp, old, ref, adv, w, m: ppo_per_token64(lp, old, adv, m, level="sequence"), token_mean64),
+    "grpo k3": (lambda lp, old, ref, adv, w, m: grpo_loss(lp, old, adv, m, ref, kl_coef=0.04),
+                lambda lp, old, ref, adv, w, m: grpo_per_token64(lp, old, adv, m, ref, kl_coef=0.04), token_mean64),
+    "cispo": (lambda lp, old, ref, adv, w, m: cispo_loss(lp, old, adv, m, clip_low=1.0, clip_high=0.2),
+              lambda lp, old, ref, adv, w, m: cispo_per_token64(lp, old, adv, m, 1.0, 0.2), token_mean64),
+    "sapo": (lambda lp, old, ref, adv, w, m: sapo_loss(lp, old, adv, m, tau_pos=1.0, tau_neg=1.05),
+             lambda lp, old, ref, adv, w, m: sapo_per_token64(lp, old, adv, m, 1.0, 1.05), token_mean64),
+    "gmpo": (lambda lp, old, ref, adv, w, m: gmpo_loss(lp, old, adv, m, clip_low=0.4, clip_high=0.4),
+             lambda lp, old, ref, adv, w, m: gmpo_per_row64(lp, old, adv, m, 0.4, 0.4), row_mean64),
+}
+
+
+@given(name=st.sampled_from(sorted(EXTREME_LOSSES)), B=st.integers(1, 5), T=st.integers(1, 8),
+       seed=st.integers(0, 10_000), token_adv=st.booleans())
+@SETTINGS
+def test_losses_at_log_ratios_of_50_match_the_float64_equations(name, B, T, seed, token_adv):
+    # Value and gradient of each loss, float32 inputs, against its equation in float64
+    # with the documented clamp. The tolerance is float32's: a log-ratio near 20 carries an
+    # absolute rounding of ~1e-6 (its ulp), so the ratio a relative one of ~1e-6, and a GSPO
+    # row mean adds the rounding of T of them; the loss, a sum of terms of either sign up to
+    # |A| exp(20), is compared relative to the same reduction of the terms' magnitudes. A
+    # missed clamp is off by up to exp(30) = 1e13, a lost gradient by all of it.
+    lp, old, ref, adv, w, mask = _extreme_data(B, T, seed, token_adv)
+    ours, per_token, reduce = EXTREME_LOSSES[name]
+    loss, grad, metrics = _grad(lambda x, *a: ours(x, *a), lp, old, ref, adv, w, mask)
+    lp64 = lp.double().requires_grad_()
+    terms = per_token(lp64, old.double(), ref.double(), adv.double(), w.double(), mask)
+    want = reduce(terms, mask)
+    (want_grad,) = torch.autograd.grad(want, lp64)
+    magnitude = reduce(terms.detach().abs(), mask).item()
+    assert abs(loss.item() - want.item()) <= 5e-5 * magnitude + 1e-7, (loss.item(), want.item())
+    # SAPO's gate derivative is sigmoid's backward, s (1 - s) from s: once s nears 1 (ratio
+    # >~ 10) 1 - s keeps float32's absolute precision at 1 (1.2e-7), not a relative one, so
+    # its gradient -A 4 s (1 - s) ratio / N is exact to ~5e-7 ratio |A| / N (see sapo_loss's
+    # Note); where that gradient is not ~0 the ratio is < 20: within 1e-5 |A| / N.
+    atol = 1e-5 * adv.abs().max().item() / max(int(mask.sum()), 1) if name == "sapo" else 1e-7
+    torch.testing.assert_close(grad.double(), want_grad, rtol=5e-5, atol=atol)
+    assert all(torch.isfinite(v) for v in metrics.values())
+
+
+@given(B=st.integers(1, 5), T=st.integers(1, 8), seed=st.integers(0, 10_000), dual_clip=st.sampled_from([None, 3.0]))
+@SETTINGS
+def test_ppo_metrics_at_log_ratios_of_50_are_those_of_the_clamped_ratio(B, T, seed, dual_clip):
+    # The metrics describe the ratio the loss used: exp of the log-ratio clamped at +-20.
+    lp, old, _, adv, _, mask = _extreme_data(B, T, seed, token_adv=False)
+    _, metrics = ppo_loss(lp, old, adv, mask, dual_clip=dual_clip)
+    clamped = old + (lp - old).clamp(-20.0, 20.0)
+    for key, value in ppo_metrics_ref(clamped, old, adv, mask, 0.2, None, dual_clip).items():
+        assert metrics[key].item() == pytest.approx(value, rel=5e-5, abs=1e-6), key
 
 # --- torch.compile ----------------------------------------------------------------------
 

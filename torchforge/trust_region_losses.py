@@ -160,7 +160,12 @@ def sapo_loss(
     Note:
         The defaults ``tau_pos = 1.0``, ``tau_neg = 1.05`` are TRL's. The gate's value
         carries an offset ``2 / tau`` at ratio 1 (so the loss is not 0 on-policy); only
-        its gradient matters.
+        its gradient matters. That gradient, ``-A 4 s (1 - s) ratio / N`` under
+        token-mean, goes through sigmoid's backward, which forms ``1 - s`` from ``s``:
+        with ``tau = 1``, past ratio ~10 (``s`` within 1e-4 of 1) it keeps only float32's
+        absolute precision at 1, an error up to ~5e-7 ``ratio |A| / N`` on a gradient that
+        is itself below 5e-3 ``|A| / N`` there (relative error ~1e-3 at ratio 10, ~1 at
+        17). ``exp(logsigmoid(.))`` is more precise there, and 2.7x slower.
     """
     fn = "sapo_loss"
     _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
