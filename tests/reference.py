@@ -573,8 +573,17 @@ def k3_tangent64(lp, ref, max_ratio=2.0):
     return r - 1 - log_r
 
 
-def grpo_per_token64(lp, old, adv, mask, ref, kl_coef, **ppo):
-    return ppo_per_token64(lp, old, adv, mask, **ppo) + kl_coef * k3_tangent64(lp, ref)
+def grpo_per_token64(lp, old, adv, mask, ref, kl_coef, kl_gradient="estimator", **ppo):
+    """PPO's per-token loss + kl_coef * k3 (tangent past ratio 2), whose gradient is k3's
+    ("estimator"), k2's ("straight-through": k3's value), or that of k3 * pi / pi_old
+    ("bias-corrected", the log-ratio clamped as PPO's)."""
+    kl = k3_tangent64(lp, ref)
+    if kl_gradient == "straight-through":
+        k2 = 0.5 * (ref - lp) ** 2
+        kl = kl.detach() + (k2 - k2.detach())
+    elif kl_gradient == "bias-corrected":
+        kl = kl * _ratio64(lp, old, mask, ppo.get("max_log_ratio", 20.0))
+    return ppo_per_token64(lp, old, adv, mask, **ppo) + kl_coef * kl
 
 
 def cispo_per_token64(lp, old, adv, mask, clip_low, clip_high, max_log_ratio=20.0):

@@ -461,6 +461,12 @@ EXTREME_LOSSES = {  # name: (torchforge, float64 per-token (gmpo: per-row) equat
              lambda lp, old, ref, adv, w, m: ppo_per_token64(lp, old, adv, m, level="sequence"), token_mean64),
     "grpo k3": (lambda lp, old, ref, adv, w, m: grpo_loss(lp, old, adv, m, ref, kl_coef=0.04),
                 lambda lp, old, ref, adv, w, m: grpo_per_token64(lp, old, adv, m, ref, kl_coef=0.04), token_mean64),
+    "grpo k3 straight-through": (
+        lambda lp, old, ref, adv, w, m: grpo_loss(lp, old, adv, m, ref, kl_coef=0.04, kl_gradient="straight-through"),
+        lambda lp, old, ref, adv, w, m: grpo_per_token64(lp, old, adv, m, ref, 0.04, "straight-through"), token_mean64),
+    "grpo k3 bias-corrected": (
+        lambda lp, old, ref, adv, w, m: grpo_loss(lp, old, adv, m, ref, kl_coef=0.04, kl_gradient="bias-corrected"),
+        lambda lp, old, ref, adv, w, m: grpo_per_token64(lp, old, adv, m, ref, 0.04, "bias-corrected"), token_mean64),
     "cispo": (lambda lp, old, ref, adv, w, m: cispo_loss(lp, old, adv, m, clip_low=1.0, clip_high=0.2),
               lambda lp, old, ref, adv, w, m: cispo_per_token64(lp, old, adv, m, 1.0, 0.2), token_mean64),
     "sapo": (lambda lp, old, ref, adv, w, m: sapo_loss(lp, old, adv, m, tau_pos=1.0, tau_neg=1.05),
