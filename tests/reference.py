@@ -597,6 +597,12 @@ def sapo_per_token64(lp, old, adv, mask, tau_pos, tau_neg, max_log_ratio=20.0):
     return -A * (4 / tau) * torch.sigmoid(tau * (ratio - 1))
 
 
+def kl_cov_all_selected_per_token64(lp, old, adv, mask, kl_coef, max_log_ratio=20.0):
+    """KL-Cov with every counted token selected: -A ratio + kl_coef |log ratio|, the
+    penalty on the log-ratio as it is (not clamped)."""
+    return -_adv64(adv) * _ratio64(lp, old, mask, max_log_ratio) + kl_coef * torch.where(mask, lp - old, 0.0).abs()
+
+
 def gmpo_per_row64(lp, old, adv, mask, clip_low, clip_high, max_log_ratio=20.0):
     A = _adv64(adv).expand(mask.shape)
     x = torch.where(mask, lp - old, 0.0)

@@ -16,6 +16,7 @@ from tests.reference import (
     cispo_per_token64,
     gmpo_per_row64,
     grpo_per_token64,
+    kl_cov_all_selected_per_token64,
     ppo_metrics_ref,
     ppo_per_token64,
     ppo_per_token_ref,
@@ -472,6 +473,9 @@ EXTREME_LOSSES = {  # name: (torchforge, float64 per-token (gmpo: per-row) equat
              lambda lp, old, ref, adv, w, m: sapo_per_token64(lp, old, adv, m, 1.0, 1.05), token_mean64),
     "gmpo": (lambda lp, old, ref, adv, w, m: gmpo_loss(lp, old, adv, m, clip_low=0.4, clip_high=0.4),
              lambda lp, old, ref, adv, w, m: gmpo_per_row64(lp, old, adv, m, 0.4, 0.4), row_mean64),
+    # every token selected: no ranking of float32 covariances that float64 could order otherwise
+    "kl_cov": (lambda lp, old, ref, adv, w, m: kl_cov_loss(lp, old, adv, m, select_frac=1.0, kl_coef=0.7),
+               lambda lp, old, ref, adv, w, m: kl_cov_all_selected_per_token64(lp, old, adv, m, 0.7), token_mean64),
 }
 
 
