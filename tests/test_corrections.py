@@ -61,10 +61,11 @@ def test_tis_hand_derived():
 
 
 @given(B=st.integers(1, 5), T=st.integers(1, 7), seed=st.integers(0, 10_000),
-       level=st.sampled_from(CORRECTION_LEVELS), cap=st.sampled_from([0.5, 2.0, 10.0]))
+       level=st.sampled_from(CORRECTION_LEVELS), cap=st.sampled_from([0.5, 2.0, 10.0]),
+       spread=st.sampled_from([0.5, 50.0]))  # 50: log-ratios far past log(cap), sums past exp's range
 @SETTINGS
-def test_tis_matches_reference(B, T, seed, level, cap):
-    old, rollout, mask = _data(B, T, seed)
+def test_tis_matches_reference(B, T, seed, level, cap, spread):
+    old, rollout, mask = _data(B, T, seed, spread)
     out = truncated_importance_weights(old, rollout, mask, level=level, cap=cap)
     torch.testing.assert_close(out.double(), truncated_importance_weights_ref(old, rollout, mask, level, cap),
                                rtol=1e-5, atol=1e-6)
@@ -111,10 +112,11 @@ def test_ratio_mask_hand_derived():
 
 
 @given(B=st.integers(1, 5), T=st.integers(1, 7), seed=st.integers(0, 10_000),
-       level=st.sampled_from(CORRECTION_LEVELS), bounds=st.sampled_from([(0.5, 2.0), (0.0, 1.5), (0.9, 5.0)]))
+       level=st.sampled_from(CORRECTION_LEVELS), bounds=st.sampled_from([(0.5, 2.0), (0.0, 1.5), (0.9, 5.0)]),
+       spread=st.sampled_from([0.5, 50.0]))
 @SETTINGS
-def test_ratio_mask_matches_reference(B, T, seed, level, bounds):
-    old, rollout, mask = _data(B, T, seed)
+def test_ratio_mask_matches_reference(B, T, seed, level, bounds, spread):
+    old, rollout, mask = _data(B, T, seed, spread)
     out = ratio_mask(old, rollout, mask, low=bounds[0], high=bounds[1], level=level)
     assert out.dtype == torch.float32 and not out.requires_grad
     assert torch.equal(out.double(), ratio_mask_ref(old, rollout, mask, *bounds, level))
