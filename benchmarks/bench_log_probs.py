@@ -237,15 +237,15 @@ def main():
     H = args.hidden
     command = " ".join(["python benchmarks/bench_log_probs.py", *sys.argv[1:]])
     header = ["## Token log-probs (`bench_log_probs.py`)", "", machine_description(device), "", f"Run: `{command}`.", ""]
-    sections = []
+    done = list(header)  # the sections measured so far
     for N, setting_vocabs in settings:
         # written after every (V, dtype, mode), so that a long run leaves its results so far
         for lines in measure_setting(device, N, setting_vocabs, H, repeats, args.quick):
-            write_markdown(args.out, header + [line for section in sections for line in section] + lines)
-        sections.append(lines)
+            write_markdown(args.out, done + lines)
+        done += lines
     if memory_vocabs:
-        sections.append(fused_memory_only(device, args.tokens or MEMORY_TOKENS, memory_vocabs, H))
-        write_markdown(args.out, header + [line for section in sections for line in section])
+        done += fused_memory_only(device, args.tokens or MEMORY_TOKENS, memory_vocabs, H)
+        write_markdown(args.out, done)
 
 
 def measure_setting(device, N, vocabs, H, repeats, quick):
