@@ -138,7 +138,8 @@ def test_trainer_on_two_processes_matches_one(tmp_path, strategy, algorithm):
     one, two = _trainer_history(tmp_path / "one"), _trainer_history(tmp_path / "two")
     assert [r["step"] for r in two] == [1, 2, 3]
     for a, b in zip(one, two):
-        for key in ("loss", "reward", "kl", "entropy", "grad_norm", "completions/mean_length"):
+        for key in ("loss", "reward", "reward_std", "rewards/copy_digits/std", "kl", "entropy", "grad_norm",
+                    "completions/mean_length"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
     if algorithm == "grpo" and strategy == "fsdp":
         # the 2-process checkpoint resumes on 1 process

@@ -206,6 +206,32 @@ def test_dataset_columns_reach_trl_style_reward_functions(tmp_path):
     assert "rewards/exact_copy/mean" in metrics and "rewards/copy_digits/mean" in metrics
 
 
+@pytest.mark.parametrize("offset", [0.0, 1e2, 1e4])
+def test_logged_reward_std_is_the_spread_of_the_rewards_at_any_offset(tmp_path, offset):
+    # Rewards offset + {0, 0.1, 0.2, 0.3}, as float32 holds them. Formed as
+    # sum(r^2) / n - mean^2 in float32 their std was 5% off at 1e2 and 0 at 1e4; the
+    # trainer takes it from deviations about the mean (reduce.masked_var).
+    seen = []
+
+    class Spread(RewardFunction):
+        name = "spread"
+
+        def compute(self, completions, prompts):
+            rewards = [offset + 0.1 * (i % 4) for i in range(len(completions))]
+            seen.extend(rewards)
+            return rewards
+
+    tokenizer = char_tokenizer()
+    trainer = RLTrainer(model=tiny_llama(tokenizer), tokenizer=tokenizer, config=small_config(tmp_path, max_steps=1),
+                        reward_functions=[Spread()], train_dataset=copy_digits_dataset(8))
+    metrics = trainer.train_step(0)
+    expected = torch.tensor(seen).double()  # float32, as the trainer holds rewards
+    assert len(seen) == 16
+    for mean_key, std_key in (("reward", "reward_std"), ("rewards/spread/mean", "rewards/spread/std")):
+        assert metrics[mean_key] == pytest.approx(expected.mean().item(), rel=1e-7)
+        assert metrics[std_key] == pytest.approx(expected.std().item(), rel=1e-6)
+
+
 def test_chat_prompts_use_the_chat_template(tmp_path):
     tokenizer = char_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"

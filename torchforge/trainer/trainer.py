@@ -66,7 +66,7 @@ from torchforge.loop import (
 )
 from torchforge.loop.rewards import score_rewards
 from torchforge.loop.update import metric_reduction
-from torchforge.reduce import Aggregation, masked_mean
+from torchforge.reduce import Aggregation, masked_mean, masked_var
 from torchforge.trainer import episodes
 from torchforge.trainer.algorithms import Algorithm, algorithm_from_name
 from torchforge.trainer.config import RLConfig
@@ -612,12 +612,9 @@ class RLTrainer:
                                          "_loss": loss, "completions/_length_sum": tokens,
                                          "completions/_truncated": batch.truncated.float().sum().cpu(),
                                          "_zero_std": zero_std_groups(rewards, group_size=G).float().sum()}
-        for name, scores in [("", rewards), *((f"rewards/{k}/", v) for k, v in per_function.items())]:
-            valid = ~scores.isnan()
-            values = torch.where(valid, scores, 0.0)
-            sums[f"{name}_sum"] = values.sum()
-            sums[f"{name}_sq"] = (values ** 2).sum()
-            sums[f"{name}_n"] = valid.float().sum()
+        series = {"": rewards, **{f"rewards/{k}/": v for k, v in per_function.items()}}
+        for prefix, scores in series.items():
+            sums[f"{prefix}_n"] = (~scores.isnan()).float().sum()
         maxima = {"completions/max_length": lengths.max() if len(lengths) else torch.tensor(0.0)}
         minima: dict[str, torch.Tensor] = {}
         for key, value in loss_metrics.items():
@@ -631,12 +628,15 @@ class RLTrainer:
         extrema = {k: float(v) if math.isfinite(v) else 0.0 for k, v in reduce_metric_extrema(maxima, minima).items()}
 
         def mean_std(prefix: str) -> tuple[float, float]:
-            n = total[f"{prefix}_n"]
-            if n == 0:
+            """Over every process; the variance from deviations about the mean (reduce.masked_var),
+            so rewards near 1e4 keep their spread, which sum(r^2) / n - mean^2 rounds away."""
+            if total[f"{prefix}_n"] == 0:  # the same on every process: all skip the collectives
                 return math.nan, math.nan
-            mean = total[f"{prefix}_sum"] / n
-            var = max(total[f"{prefix}_sq"] / n - mean ** 2, 0.0) * (n / (n - 1) if n > 1 else 0.0)
-            return mean, math.sqrt(var)
+            scores = series[prefix]
+            valid = ~scores.isnan()
+            mean = masked_mean(scores, valid, sum_over_ranks=sum_over_ranks)
+            var = masked_var(scores, valid, sum_over_ranks=sum_over_ranks)
+            return float(mean), math.sqrt(float(var))
 
         out: dict[str, float] = {}
         out["reward"], out["reward_std"] = mean_std("")
