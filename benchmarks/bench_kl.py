@@ -15,6 +15,10 @@ tensor. Writes benchmarks/results/kl.md.
 
     python benchmarks/bench_kl.py            # N=2048, V in {32000, 128256}
     python benchmarks/bench_kl.py --quick    # N=1024, V=32000
+    python benchmarks/bench_kl.py --before /tmp/kl_before.py   # also an earlier kl.py's exact_kl
+
+``--before FILE`` times the ``exact_kl`` of an earlier commit's ``kl.py`` (``git show
+<commit>:torchforge/kl.py > FILE``) in the same rotation, and adds a before / after table.
 
 ``--approx`` times the per-token sample estimator instead (time only, [B, T] = [256, 4096]
 float32 log-probs, forward + backward of the masked mean, interleaved medians): torchforge's
@@ -28,6 +32,7 @@ Writes benchmarks/results/kl_approx.md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import platform
@@ -57,6 +62,14 @@ def kl_div(logits, ref_logits):
 
 VARIANTS = {"exact_kl": exact_kl, "naive": naive, "kl_div": kl_div}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_before(path: str):
+    """The ``exact_kl`` of an earlier commit, imported from a copy of its kl.py."""
+    spec = importlib.util.spec_from_file_location("kl_before", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.exact_kl
 
 
 def _inputs(n, v, dtype, device, grad):
@@ -118,7 +131,7 @@ def measure_memory_here(name, n, v, dtype, backward):
     print(_peak_rss_bytes() - base)
 
 
-def peak_memory(name, n, v, dtype, backward, device):
+def peak_memory(name, n, v, dtype, backward, device, before=None):
     if device == "cuda":
         logits, ref_logits = _inputs(n, v, DTYPES[dtype], device, backward)
         torch.cuda.synchronize()
@@ -128,6 +141,8 @@ def peak_memory(name, n, v, dtype, backward, device):
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
     cmd = [sys.executable, __file__, "--memory-child", name, str(n), str(v), dtype, str(int(backward))]
+    if before:
+        cmd += ["--before", before]
     # A fixed mmap threshold makes glibc return every freed large buffer to the OS, so
     # the RSS high-water mark follows the live tensors instead of the allocator's cache.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
@@ -197,8 +212,12 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="N=1024, V=32000, 3 repeats")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--before", default=None, metavar="FILE",
+                        help="an earlier commit's kl.py: time its exact_kl beside this one's")
     parser.add_argument("--memory-child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.before:
+        VARIANTS["before"] = load_before(args.before)
     if args.memory_child:
         name, n, v, dtype, backward = args.memory_child
         measure_memory_here(name, int(n), int(v), dtype, bool(int(backward)))
@@ -239,13 +258,15 @@ def main():
         "| device | V | dtype | pass | exact_kl ms | naive ms | kl_div ms | naive / exact_kl | kl_div / exact_kl | exact_kl mem | naive mem | kl_div mem |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    before_rows = []
     for device in devices:
         for v in vocabs:
             for dtype in DTYPES:
                 for backward in (False, True):
                     t = time_variants(n, v, DTYPES[dtype], device, backward, repeats)
                     unit = n * v * 4
-                    mem = {name: peak_memory(name, n, v, dtype, backward, device) / unit for name in VARIANTS}
+                    mem = {name: peak_memory(name, n, v, dtype, backward, device, args.before) / unit
+                           for name in VARIANTS}
                     row = (
                         f"| {device} | {v} | {dtype} | {'fwd+bwd' if backward else 'fwd'} | "
                         f"{1e3 * t['exact_kl']:.1f} | {1e3 * t['naive']:.1f} | {1e3 * t['kl_div']:.1f} | "
@@ -254,6 +275,21 @@ def main():
                     )
                     print(row, flush=True)
                     lines.append(row)
+                    if args.before:
+                        before_rows.append(
+                            f"| {device} | {v} | {dtype} | {'fwd+bwd' if backward else 'fwd'} | "
+                            f"{1e3 * t['before']:.1f} | {1e3 * t['exact_kl']:.1f} | "
+                            f"{t['exact_kl'] / t['before']:.2f} | {mem['before']:.2f} | {mem['exact_kl']:.2f} |"
+                        )
+    if args.before:
+        lines += [
+            "",
+            f"### Before / after (the same rotation; before = `{os.path.basename(args.before)}`)",
+            "",
+            "| device | V | dtype | pass | before ms | exact_kl ms | after / before | before mem | exact_kl mem |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            *before_rows,
+        ]
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     path = os.path.join(os.path.dirname(__file__), "results", "kl.md")
     with open(path, "w") as f:

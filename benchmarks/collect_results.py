@@ -31,8 +31,9 @@ BENCHMARKS = {
                   "python benchmarks/bench_log_probs.py"),
     "kl": ("bench_kl.py",
            "`exact_kl` (chunked, recomputing backward) against the unchunked formula and `F.kl_div`: "
-           "time and peak memory",
-           "python benchmarks/bench_kl.py"),
+           "time and peak memory; before / after",
+           "git show <commit before the change>:torchforge/kl.py > /tmp/kl_before.py; "
+           "python benchmarks/bench_kl.py --before /tmp/kl_before.py"),
     "kl_approx": ("bench_kl.py --approx",
                   "the per-token sample estimator `approx_kl` (k3, bounded and exact) against verl's "
                   "`low_var_kl` and TRL's k3: forward + backward time",
