@@ -9,7 +9,8 @@ torchforge, ...), each on its own copy of the same model:
   ``RLTrainer.train`` makes (metrics.jsonl and TensorBoard); checkpoints are off.
 - ``hand-written``: :func:`handwritten_grpo_step`, the same maths in one function with
   plain torch + transformers: ``model.generate(do_sample=True, top_k=0, top_p=1.0)``,
-  completion mask up to the first eos, reward, group-normalized advantages, full-logits
+  completion mask up to the first eos, reward (``CopyDigitsReward`` given the completion ids,
+  as RLTrainer and TRL give them), group-normalized advantages, full-logits
   ``log_softmax`` + ``gather`` log-probs, clipped GRPO loss (token-mean), gradient-norm
   clip at 1.0 (as RLTrainer and TRL do), AdamW step.
 - ``TRL``: ``trl.GRPOTrainer`` on the same model, prompts, group size, completion length
@@ -150,9 +151,11 @@ def handwritten_grpo_step(model, tokenizer, optimizer, prompts, reward_fn, *, nu
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), T)
     mask = torch.arange(T, device=device)[None, :] <= first_eos[:, None]
 
-    # reward and group-normalized advantages
-    texts = tokenizer.batch_decode([c[m].tolist() for c, m in zip(completions, mask)], skip_special_tokens=True)
-    rewards = torch.tensor(reward_fn(texts, [p for p in prompts for _ in range(num_generations)]),
+    # reward (judged from the ids up to the first eos, as RLTrainer and TRL pass them) and
+    # group-normalized advantages
+    ids = [c[m].tolist() for c, m in zip(completions, mask)]
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    rewards = torch.tensor(reward_fn(texts, [p for p in prompts for _ in range(num_generations)], ids),
                            dtype=torch.float32, device=device)
     grouped = rewards.view(-1, num_generations)
     advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
@@ -182,8 +185,10 @@ class Torchforge:
     name = "torchforge"
 
     def __init__(self, tokenizer, dataset, setting, workdir):
-        cfg = demo_config(max_completion_length=setting["max_completion_length"], max_steps=100_000,
-                          save_steps=None, progress_bar=False, output_dir=str(workdir / "torchforge"))
+        # the learning rate of the other variants, not the demo's: the same training in all three
+        cfg = demo_config(max_completion_length=setting["max_completion_length"], learning_rate=LR,
+                          max_steps=100_000, save_steps=None, progress_bar=False,
+                          output_dir=str(workdir / "torchforge"))
         self.trainer = RLTrainer(model=build_model(tokenizer, setting["no_eos"]), tokenizer=tokenizer,
                                  config=cfg, reward_functions=[CopyDigitsReward()], train_dataset=dataset)
         self.logger = MetricsLogger(cfg.output_dir, total_steps=cfg.max_steps, progress_bar=False)
@@ -229,7 +234,7 @@ class Handwritten:
         sync()
         start, cpu_start = time.perf_counter(), time.process_time()
         out = handwritten_grpo_step(self.model, self.tokenizer, self.optimizer, prompts,
-                                    lambda c, p: self.reward.compute(c, p), num_generations=G,
+                                    self.reward.compute, num_generations=G,
                                     max_new_tokens=self.max_new_tokens)
         sync()
         self.index += 1
@@ -248,8 +253,8 @@ def make_trl_trainer(tokenizer, dataset, setting, workdir, callback):
 
     reward = CopyDigitsReward()
 
-    def copy_digits(prompts, completions, **kwargs):
-        return reward.compute(completions, prompts)
+    def copy_digits(prompts, completions, completion_ids, **kwargs):
+        return reward.compute(completions, prompts, completion_ids=completion_ids)
 
     config = trl.GRPOConfig(
         output_dir=str(workdir / "trl"), per_device_train_batch_size=PROMPTS * G, num_generations=G,
