@@ -206,6 +206,28 @@ def test_dataset_columns_reach_trl_style_reward_functions(tmp_path):
     assert "rewards/exact_copy/mean" in metrics and "rewards/copy_digits/mean" in metrics
 
 
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_the_learning_rate_schedule_counts_steps_not_optimizer_steps(tmp_path, num_iterations):
+    # linear over 4 steps after 1 warm-up step: every optimizer step of a step uses that
+    # step's rate (it ran num_iterations times faster, reaching 0 halfway, at 2), and the
+    # logged learning_rate is the one used
+    config = small_config(tmp_path, max_steps=4, num_iterations=num_iterations, lr_scheduler="linear",
+                          warmup_steps=1, learning_rate=0.1)
+    trainer = RLTrainer(config=config)
+    used = []
+    step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        used.append(trainer.optimizer.param_groups[0]["lr"])
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    logged = [trainer.train_step(s)["learning_rate"] for s in range(4)]
+    expected = [0.1 * f for f in (0.5, 1.0, 2 / 3, 1 / 3)]
+    assert used == pytest.approx([lr for lr in expected for _ in range(num_iterations)], rel=1e-12)
+    assert logged == pytest.approx(expected, rel=1e-12)
+
+
 @pytest.mark.parametrize("offset", [0.0, 1e2, 1e4])
 def test_logged_reward_std_is_the_spread_of_the_rewards_at_any_offset(tmp_path, offset):
     # Rewards offset + {0, 0.1, 0.2, 0.3}, as float32 holds them. Formed as

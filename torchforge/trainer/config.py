@@ -48,7 +48,7 @@ class RLConfig:
             machine without bf16 support on its accelerator (a CPU).
         gradient_checkpointing: recompute activations in backward to save memory.
         output_dir: where metrics, checkpoints, the final model and plots go.
-        prompts_per_step: prompts per optimizer step over all processes (B = that x G).
+        prompts_per_step: prompts per step over all processes (B = that x G).
         micro_batch_size: sequences per forward / backward on one process (gradient
             accumulation splits the step); a multiple of G. None: the whole local batch.
         num_iterations: optimizer steps (passes) per sampled batch, as TRL's; > 1 makes
@@ -128,16 +128,18 @@ class RLConfig:
             the step's ``kl`` at ``kl_target``, with ``num_steps`` the step's sequences (as
             TRL and verl count); logged as ``kl_coef`` and checkpointed. None: fixed ``kl_coef``.
         ref_model_sync_steps: TR-DPO-style: copy the policy's weights into the reference
-            policy every N optimizer steps; None: the reference stays the initial policy.
+            policy every N steps; None: the reference stays the initial policy.
             Not with LoRA (the reference is the policy with its adapters off).
         gamma, lam: discount and GAE lambda (PPO; gamma also for REINFORCE++).
         value_coef, value_clip: PPO: weight of the value loss and its clip range.
         max_grad_norm: gradient-norm clip; None disables it.
         weight_decay: AdamW weight decay.
-        lr_scheduler: "constant", "linear" (to 0) or "cosine" (to 0).
-        warmup_steps: linear warm-up steps.
+        lr_scheduler: "constant", "linear" (to 0) or "cosine" (to 0), over the run's steps;
+            every optimizer step of a step (``num_iterations``) uses that step's rate.
+        warmup_steps: linear warm-up, in steps.
         num_train_epochs: passes over the dataset when ``max_steps`` is None.
-        max_steps: optimizer steps of the run (overrides num_train_epochs).
+        max_steps: steps of the run, each a sampled batch and its ``num_iterations``
+            optimizer steps (overrides num_train_epochs).
         seed: seeds the data order and the sampling.
         logging_steps: log every N steps.
         save_steps: checkpoint every N steps (and always at the end); None: only at the end.

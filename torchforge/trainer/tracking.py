@@ -72,7 +72,7 @@ class MetricsLogger:
         """Record ``metrics`` at ``step``.
 
         Args:
-            step: the optimizer step (1-based).
+            step: the step (1-based).
             metrics: name -> float.
 
         Returns:

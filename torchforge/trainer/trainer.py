@@ -13,7 +13,8 @@ One step, top to bottom (:meth:`RLTrainer.train_step`):
 6. ``_update``: ``num_iterations`` optimizer steps, each over every micro-batch with exact
    aggregation (``_loss``: the forward, ``algorithm.compute_loss``'s ``(loss, metrics)``,
    the entropy bonus);
-7. ``_metrics``: reduced over processes as sums and counts, maxima and minima;
+7. ``_metrics``: reduced over processes as sums and counts, maxima and minima; the
+   learning-rate schedule steps once per step (not per optimizer step);
    ``_after_update``: the adaptive KL coefficient, the reference refresh; then logging
    and checkpoints (:meth:`RLTrainer.train`).
 """
@@ -417,6 +418,7 @@ class RLTrainer:
         self.algorithm.prepare(counted)
         loss, loss_metrics, grad_norm = self._update(counted)
         metrics = self._metrics(batch, per_function, loss, loss_metrics, grad_norm, time.perf_counter() - start)
+        self.scheduler.step()  # the schedule counts steps, whatever num_iterations makes of each
         self._after_update(step, metrics)
         return {**metrics, **sampling}
 
@@ -493,7 +495,7 @@ class RLTrainer:
         """Sample and score this process's batch of ``step``.
 
         Args:
-            step: the 0-based optimizer step (selects the prompts and the samples).
+            step: the 0-based step (selects the prompts and the samples).
 
         Returns:
             ``(batch, per_function_rewards)``.
@@ -563,8 +565,7 @@ class RLTrainer:
         for _ in range(cfg.num_iterations):
             loss, loss_metrics = accumulate_gradients(parts, self._loss, mode=cfg.loss_aggregation,
                                                       norm_length=cfg.max_completion_length)
-            grad_norm = optimizer_step(self.trainable_parameters, self.optimizer, self.scheduler,
-                                       max_grad_norm=cfg.max_grad_norm)
+            grad_norm = optimizer_step(self.trainable_parameters, self.optimizer, max_grad_norm=cfg.max_grad_norm)
         return loss, loss_metrics, grad_norm
 
     def _loss(self, part: Batch, aggregation: Aggregation) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
