@@ -106,7 +106,8 @@ def test_entropy_coef_subtracts_the_aggregated_entropy(tmp_path):
 
 def test_mask_truncated_completions_count_for_nothing(tmp_path):
     # a truncated completion leaves the mask and its reward is NaN for the group statistics
-    # (advantage 0, the group's mean and std from the others); the logs keep the sampled batch
+    # (advantage 0, the group's mean and std from the others); the logged rewards and lengths
+    # stay those of the sampled batch
     from torchforge.advantages import group_advantages
     from torchforge.trainer.algorithms import GRPO
 
@@ -132,9 +133,19 @@ def test_mask_truncated_completions_count_for_nothing(tmp_path):
     assert not torch.equal(counted.advantages, sampled.advantages)
     for key in ("reward", "completions/mean_length", "completions/clipped_ratio"):  # the logs: as sampled
         assert metrics[True][key] == metrics[False][key], key
+    # the groups without signal: those of the update, where a truncated completion has no reward
+    from torchforge.corrections import zero_std_groups
+
+    for flag, batch in ((False, sampled), (True, counted)):
+        expected = zero_std_groups(batch.rewards, group_size=4).float().mean().item()
+        assert metrics[flag]["frac_reward_zero_std"] == pytest.approx(expected, abs=1e-12), flag
 
 
-def test_micro_batch_size_does_not_change_the_update(tmp_path, monkeypatch):
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_micro_batch_size_does_not_change_the_update(tmp_path, monkeypatch, algorithm):
+    # nor the logged metrics: token means are weighted by tokens, extrema are extrema, and
+    # PPO's pg_loss / value_loss (terms of the loss, computed with the step's global counts)
+    # add up over micro-batches as the loss does
     import torchforge.trainer.trainer as trainer_module
 
     grads = []
@@ -145,13 +156,18 @@ def test_micro_batch_size_does_not_change_the_update(tmp_path, monkeypatch):
 
     optimizer_step = trainer_module.optimizer_step
     monkeypatch.setattr(trainer_module, "optimizer_step", recording_step)
-    losses = []
+    logged = []
     for micro in (None, 4, 8):
         trainer = RLTrainer(config=small_config(tmp_path / str(micro), max_steps=1, micro_batch_size=micro,
-                                                loss_aggregation="seq-mean-token-mean"))
-        losses.append(trainer.train_step(0)["loss"])
-    for loss, step_grads in zip(losses[1:], grads[1:]):
-        assert loss == pytest.approx(losses[0], rel=1e-5, abs=1e-7)
+                                                loss_aggregation="seq-mean-token-mean", algorithm=algorithm))
+        logged.append(trainer.train_step(0))
+    timing = {"step_time", "tokens_per_second"}
+    if algorithm == "ppo":
+        assert logged[0]["pg_loss"] + 0.5 * logged[0]["value_loss"] == pytest.approx(logged[0]["loss"], rel=1e-5)
+    for metrics, step_grads in zip(logged[1:], grads[1:]):
+        assert metrics.keys() == logged[0].keys()
+        for key in metrics.keys() - timing:
+            assert metrics[key] == pytest.approx(logged[0][key], rel=1e-5, abs=1e-6), key
         for got, expected in zip(step_grads, grads[0]):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-7)
 

@@ -63,7 +63,9 @@ def accumulate_gradients(
         metric named ``*_max`` / ``*_min`` (:func:`metric_reduction`) is an extreme: its
         max / min over the micro-batches with counted tokens (``-inf`` / ``+inf`` when
         none has any; reduce across ranks with
-        :func:`torchforge.distributed.reduce_metric_extrema`).
+        :func:`torchforge.distributed.reduce_metric_extrema`). A metric named ``*_loss``
+        is a term of the loss, aggregated as the loss is: summed over micro-batches like
+        the loss (over ranks: summed, then divided by the number of ranks, as the loss).
 
     Example:
         >>> w = torch.nn.Parameter(torch.tensor(2.0))
@@ -89,6 +91,8 @@ def accumulate_gradients(
             kind = metric_reduction(key)
             if kind == "mean":
                 combined[key] = combined.get(key, 0.0) + weight * value
+            elif kind == "sum":
+                combined[key] = combined.get(key, 0.0) + value
             else:  # an empty micro-batch's extreme is a fill value, not a token's: it never wins
                 fill = torch.tensor(-math.inf if kind == "max" else math.inf)
                 value = value if weight else fill
@@ -97,26 +101,31 @@ def accumulate_gradients(
 
 
 def metric_reduction(name: str) -> str:
-    """How a loss metric combines over micro-batches and ranks: "max", "min" or "mean".
+    """How a loss metric combines over micro-batches and ranks: "max", "min", "sum" or "mean".
 
     A metric named ``*_max`` (``ratio_max``) is a maximum and ``*_min`` a minimum: a mean
-    of per-micro-batch maxima is not the maximum of the batch. Every other metric is a
-    mean over counted tokens, combined as a token-weighted mean.
+    of per-micro-batch maxima is not the maximum of the batch. A metric named ``*_loss``
+    (PPO's ``pg_loss``, ``value_loss``) is a term of the loss, computed with the step's
+    global counts as the loss is: each micro-batch's value is its share, so the shares add
+    up (a token-weighted mean of them would depend on the micro-batch size). Every other
+    metric is a mean over counted tokens, combined as a token-weighted mean.
 
     Args:
         name: the metric's name.
 
     Returns:
-        "max", "min" or "mean".
+        "max", "min", "sum" or "mean".
 
     Example:
-        >>> [metric_reduction(k) for k in ("ratio_max", "ratio_min", "clip_frac_low")]
-        ['max', 'min', 'mean']
+        >>> [metric_reduction(k) for k in ("ratio_max", "ratio_min", "value_loss", "clip_frac_low")]
+        ['max', 'min', 'sum', 'mean']
     """
     if name.endswith("_max"):
         return "max"
     if name.endswith("_min"):
         return "min"
+    if name.endswith("_loss"):
+        return "sum"
     return "mean"
 
 

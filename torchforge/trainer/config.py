@@ -76,10 +76,11 @@ class RLConfig:
         entropy_coef: weight of an entropy bonus on the counted tokens,
             ``loss - entropy_coef * aggregation(entropy, mask)`` (every algorithm); 0: none.
         mask_truncated_completions: completions cut by ``max_completion_length`` count for
-            nothing: their tokens leave the mask (the loss and its token counts) and their
-            reward is NaN, "not applicable", so group statistics (advantages, the logged
-            ``reward``, ``frac_reward_zero_std``) are those of the other completions (DAPO;
-            TRL's option of the same name).
+            nothing: their tokens leave the mask (the loss, its token counts and metrics) and
+            their reward is NaN, "not applicable", so group statistics (the advantages, the
+            logged ``frac_reward_zero_std``) are those of the other completions (DAPO; TRL's
+            option of the same name). The logged ``reward`` and lengths are still those of
+            every sampled completion.
         dynamic_sampling, max_sampling_rounds: DAPO's dynamic sampling: groups whose rewards
             are all equal (``zero_std_groups``: no learning signal) are dropped and more
             prompts are sampled, up to ``max_sampling_rounds`` rounds per step in all, until

@@ -417,7 +417,8 @@ class RLTrainer:
         self._reference_log_probs(counted)
         self.algorithm.prepare(counted)
         loss, loss_metrics, grad_norm = self._update(counted)
-        metrics = self._metrics(batch, per_function, loss, loss_metrics, grad_norm, time.perf_counter() - start)
+        metrics = self._metrics(batch, counted, per_function, loss, loss_metrics, grad_norm,
+                                time.perf_counter() - start)
         self.scheduler.step()  # the schedule counts steps, whatever num_iterations makes of each
         self._after_update(step, metrics)
         return {**metrics, **sampling}
@@ -603,16 +604,22 @@ class RLTrainer:
             raise TorchforgeError(f"{what} ({type(loss).__name__}{shape}, {type(metrics).__name__}); {expected}")
         return loss, metrics
 
-    def _metrics(self, batch, per_function, loss, loss_metrics, grad_norm, seconds) -> dict[str, float]:
-        """Combine over processes as sums and counts, never as means of means."""
+    def _metrics(self, batch, counted, per_function, loss, loss_metrics, grad_norm, seconds) -> dict[str, float]:
+        """Combine over processes as sums and counts, never as means of means. The rewards and
+        lengths are the sampled ``batch``'s; the loss metrics and the groups without signal are
+        the ``counted`` batch's, which the update saw (``mask_truncated_completions``)."""
         G = self.config.num_generations
         rewards = batch.rewards.float().cpu()
         lengths = batch.mask.sum(-1).float().cpu()
         tokens = lengths.sum()
+        truncated = batch.truncated.cpu()
+        # a truncated completion that counts for nothing is not in its group's statistics
+        scored = rewards.masked_fill(truncated, math.nan) if self.config.mask_truncated_completions else rewards
         sums: dict[str, torch.Tensor] = {"_sequences": torch.tensor(float(len(rewards))), "_tokens": tokens,
+                                         "_counted_tokens": counted.mask.sum().float().cpu(),
                                          "_loss": loss, "completions/_length_sum": tokens,
-                                         "completions/_truncated": batch.truncated.float().sum().cpu(),
-                                         "_zero_std": zero_std_groups(rewards, group_size=G).float().sum()}
+                                         "completions/_truncated": truncated.float().sum(),
+                                         "_zero_std": zero_std_groups(scored, group_size=G).float().sum()}
         series = {"": rewards, **{f"rewards/{k}/": v for k, v in per_function.items()}}
         for prefix, scores in series.items():
             sums[f"{prefix}_n"] = (~scores.isnan()).float().sum()
@@ -621,7 +628,9 @@ class RLTrainer:
         for key, value in loss_metrics.items():
             kind = metric_reduction(key)  # ratio_max: a max over micro-batches and processes, not a mean
             if kind == "mean":
-                sums[f"tok/{key}"] = value * tokens  # local token means -> token sums
+                sums[f"tok/{key}"] = value * sums["_counted_tokens"]  # local means over counted tokens -> sums
+            elif kind == "sum":
+                sums[f"sum/{key}"] = value  # a term of the loss: summed as "_loss" is
             else:
                 (maxima if kind == "max" else minima)[key] = value
         total = {k: float(v) for k, v in reduce_metric_sums(sums).items()}
@@ -644,11 +653,16 @@ class RLTrainer:
         for name in per_function:
             out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = mean_std(f"rewards/{name}/")
         out["frac_reward_zero_std"] = total["_zero_std"] / total["_sequences"]
-        n_tokens = max(total["_tokens"], 1.0)
+        n_tokens = max(total["_counted_tokens"], 1.0)
         for key in loss_metrics:
             if key == "kl" and self.ref_model is None:
                 continue  # no reference policy: a KL of 0 would be a made-up number
-            out[key] = total[f"tok/{key}"] / n_tokens if f"tok/{key}" in total else extrema[key]
+            if f"tok/{key}" in total:
+                out[key] = total[f"tok/{key}"] / n_tokens
+            elif f"sum/{key}" in total:
+                out[key] = total[f"sum/{key}"] / world_size()
+            else:
+                out[key] = extrema[key]
         out["loss"] = total["_loss"] / world_size()
         out["completions/mean_length"] = total["completions/_length_sum"] / total["_sequences"]
         out["completions/max_length"] = extrema["completions/max_length"]
