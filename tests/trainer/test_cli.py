@@ -240,6 +240,7 @@ def test_nproc_0_through_the_command():
     (["--node-rank", "1"], "without --nnodes N"),
     (["--nnodes", "2", "--master-addr", "h", "--master-port", "70000"], "--master-port 70000; expected a port"),
     (["--nnodes", "2", "--master-addr", "h", "prompts_per_step=3"], "prompts_per_step=3 does not split over 2"),
+    (["--nproc", "2", "distributed_strategy=none"], "distributed_strategy='none' with 2 processes would train one"),
 ])
 def test_bad_multi_node_flags(argv, message, capsys):
     assert main(["train", *argv]) == 2

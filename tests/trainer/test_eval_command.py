@@ -119,6 +119,28 @@ def test_torchforge_eval_on_a_saved_model_and_a_lora_folder(run, tmp_path, capsy
     assert printed == pytest.approx(direct, rel=1e-6)
 
 
+def test_eval_stops_at_eos_as_well_as_the_configured_stop_ids(run):
+    # stop_token_ids adds stop ids to eos, in evaluation as in training
+    from torchforge.loop import evaluate
+    from torchforge.loop.rollout import completion_stop_ids
+    from torchforge.trainer.eval_command import evaluate_dataset
+
+    tokenizer = demo.char_tokenizer()
+    rows = demo.copy_digits_dataset(8, seed=2)
+    stop = [tokenizer.convert_tokens_to_ids("9")]
+    config = _config(run.output_dir, stop_token_ids=stop, max_completion_length=8, num_eval_generations=4)
+    got = evaluate_dataset(run.model, tokenizer, rows, [demo.CopyDigitsReward()], config)
+
+    def direct(stop_token_ids):
+        return evaluate(run.model, tokenizer, [r["prompt"] for r in rows], [demo.CopyDigitsReward()],
+                        num_generations=4, max_new_tokens=8, correct_threshold=0.5, seed=config.seed,
+                        stop_token_ids=stop_token_ids, columns={"target": [r["target"] for r in rows]})
+
+    expected = direct(completion_stop_ids(tokenizer, run.model, stop))
+    assert expected["eval/mean_length"] != direct(stop)["eval/mean_length"]  # eos ends some completions
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
 def test_torchforge_eval_errors(tmp_path, capsys):
     from torchforge.trainer.cli import main
 

@@ -311,8 +311,9 @@ def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
 
     Unknown keys (with the nearest valid key), wrong types, bad values, a missing model
     folder, dataset file or ``distributed`` field, reward functions that do not import, an
-    ``output_dir`` that cannot be written and a ``prompts_per_step`` that does not split
-    over ``num_processes`` all raise ``InvalidArgumentError``.
+    ``output_dir`` that cannot be written, a ``prompts_per_step`` that does not split
+    over ``num_processes`` and the strategy ``"none"`` on several processes all raise
+    ``InvalidArgumentError``.
 
     Args:
         values: merged settings (see :func:`load_run_config`).
@@ -378,6 +379,12 @@ def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
         raise InvalidArgumentError(
             f"prompts_per_step={run.config.prompts_per_step} does not split over {num_processes} processes; "
             "expected a multiple of the number of processes"
+        )
+    strategy = run.distributed.strategy if run.distributed is not None else run.config.distributed_strategy
+    if strategy == "none" and num_processes > 1:
+        raise InvalidArgumentError(
+            f"distributed_strategy='none' with {num_processes} processes would train one unsynchronized copy of "
+            "the model per process; expected 'fsdp' or 'ddp'"
         )
     check_writable(run.config.output_dir)
     return run

@@ -23,6 +23,7 @@ import torch
 
 from torchforge.errors import InvalidArgumentError
 from torchforge.loop.evaluate import evaluate
+from torchforge.loop.rollout import completion_stop_ids
 
 __all__ = ["add_eval_parser", "eval_main", "evaluate_dataset"]
 
@@ -67,7 +68,7 @@ def evaluate_dataset(model: Any, tokenizer: Any, dataset: Any, reward_functions:
         num_generations=config.num_eval_generations, max_new_tokens=config.max_completion_length,
         columns=columns, weights=config.reward_weights, correct_threshold=config.eval_correct_threshold,
         temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-        stop_token_ids=stop_token_ids or config.stop_token_ids, seed=config.seed,
+        stop_token_ids=stop_token_ids or completion_stop_ids(tokenizer, model, config.stop_token_ids), seed=config.seed,
     )
 
 

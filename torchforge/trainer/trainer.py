@@ -298,6 +298,11 @@ class RLTrainer:
                 f"{fn}: prompts_per_step={config.prompts_per_step} is not divisible by the {world_size()} "
                 "processes; expected an equal share of prompts per process"
             )
+        if dist_cfg.strategy == "none" and world_size() > 1:  # each process would train its own copy
+            raise InvalidArgumentError(
+                f"{fn}: distributed_strategy='none' with {world_size()} processes would train one unsynchronized "
+                "copy of the model per process; expected 'fsdp' or 'ddp', or a single process"
+            )
         self.strategy = dist_cfg.strategy if world_size() > 1 else "none"
         self._autocast = bf16 and self.strategy != "fsdp"  # FSDP2 casts parameters itself; otherwise autocast does
         self._shard_kwargs = dict(
