@@ -36,6 +36,7 @@ from torchforge.errors import (
     InvalidArgumentError,
     MissingKeyError,
     ShapeError,
+    TorchforgeError,
 )
 from torchforge.kl import approx_kl
 from torchforge.reduce import masked_whiten
@@ -369,6 +370,20 @@ def test_reinforce_pp_matches_composition():
 
 
 # --- kl_penalized_rewards -----------------------------------------------------------------
+
+def test_kl_penalized_rewards_bad_inputs_name_it():
+    lp, mask = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ShapeError, match=r"kl_penalized_rewards: ref_log_probs has shape \(2, 4\)"):
+        kl_penalized_rewards(torch.zeros(2), lp, torch.zeros(2, 4), mask, kl_coef=0.1)
+    with pytest.raises(InvalidArgumentError, match="kl_penalized_rewards: estimator is 'k5'"):
+        kl_penalized_rewards(torch.zeros(2), lp, lp, mask, kl_coef=0.1, estimator="k5")
+    with pytest.raises(InvalidArgumentError, match="kl_penalized_rewards: kl_coef must be finite and >= 0, got inf"):
+        kl_penalized_rewards(torch.zeros(2), lp, lp, mask, kl_coef=float("inf"))
+    with pytest.raises(TorchforgeError, match="kl_penalized_rewards: rewards must be a torch.Tensor, got list"):
+        kl_penalized_rewards([1.0, 2.0], lp, lp, mask, kl_coef=0.1)
+    with pytest.raises(TorchforgeError, match="gae: rewards must be a torch.Tensor, got list"):
+        gae([1.0, 2.0], lp, mask)
+
 
 def test_kl_penalized_rewards_hand_derived_and_reference():
     # k1 = log_probs - ref = 0.5 at t=0, 0 at t=1; reward 1 on t=1 (last counted); t=2 masked

@@ -337,6 +337,8 @@ def test_bad_inputs():
         ratio_mask(old, rollout, mask.long(), low=0.5, high=2.0)
     with pytest.raises(InvalidArgumentError, match="ratio_mask: expected 0 <= low < high, got low=2.0, high=0.5"):
         ratio_mask(old, rollout, mask, low=2.0, high=0.5)
+    with pytest.raises(InvalidArgumentError, match="overlong_penalty: penalty must be finite and >= 0, got inf"):
+        overlong_penalty(torch.tensor([5, 12]), max_length=10, buffer_length=2, penalty=float("inf"))
     with pytest.raises(InvalidArgumentError, match=r"overlong_penalty: buffer_length must be an int in \[0, max_length=10\], got 11"):
         overlong_penalty(torch.tensor([1]), max_length=10, buffer_length=11)
     with pytest.raises(ShapeError, match=r"overlong_penalty: lengths has shape \(2, 1\); expected 1 dimensions"):

@@ -76,3 +76,16 @@ def test_check_values():
         check_non_negative("f", "eps", -1)
     with pytest.raises(InvalidArgumentError, match="f: mode is 'c'; expected one of 'a', 'b'"):
         check_choice("f", "mode", "c", ("a", "b"))
+    # not a number: one named error, not Python's TypeError from the comparison
+    for value in ("0.2", True, None, torch.tensor([1.0, 2.0])):
+        with pytest.raises(InvalidArgumentError, match="f: clip must be a number > 0, got"):
+            check_positive("f", "clip", value)
+    with pytest.raises(InvalidArgumentError, match="f: eps must be a number >= 0, got '1'"):
+        check_non_negative("f", "eps", "1")
+    # finite=True: an infinite hyperparameter is refused; without it, inf is a valid bound
+    check_positive("f", "max_ratio", float("inf"))
+    with pytest.raises(InvalidArgumentError, match="f: tau must be finite and > 0, got inf"):
+        check_positive("f", "tau", float("inf"), finite=True)
+    with pytest.raises(InvalidArgumentError, match="f: penalty must be finite and >= 0, got inf"):
+        check_non_negative("f", "penalty", float("inf"), finite=True)
+    check_non_negative("f", "penalty", torch.tensor(0.5), finite=True)

@@ -353,6 +353,10 @@ def test_adaptive_kl_coef_bad_inputs():
         adaptive_kl_coef(0.1, 0.1, target=0.1, horizon=-1, num_steps=1)
     with pytest.raises(InvalidArgumentError, match="adaptive_kl_coef: num_steps must be an int >= 0, got -2"):
         adaptive_kl_coef(0.1, 0.1, target=0.1, horizon=10, num_steps=-2)
+    # a -20% error with num_steps = 10 horizons: 1 - 0.2 * 10 < 0 would flip the coefficient's sign
+    with pytest.raises(InvalidArgumentError, match="adaptive_kl_coef: num_steps=1000 is more than 5 x horizon=100"):
+        adaptive_kl_coef(0.1, 0.0, target=0.1, horizon=100, num_steps=1000)
+    assert adaptive_kl_coef(0.1, 0.0, target=0.1, horizon=100, num_steps=500) == 0.0  # the bound itself: 0
     with pytest.raises(InvalidArgumentError, match="adaptive_kl_coef: kl_coef must be >= 0, got -0.1"):
         adaptive_kl_coef(-0.1, 0.1, target=0.1, horizon=10, num_steps=1)
     with pytest.raises(InvalidArgumentError, match="adaptive_kl_coef: observed_kl must be finite, got nan"):

@@ -225,6 +225,17 @@ REDUCTIONS = {
 }
 
 
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_aggregate_of_no_tokens_is_zero_in_every_mode(mode):
+    # T = 0 (and B = 0): seq-mean-token-sum-norm's default norm_length, T, is then 0
+    for shape in ((3, 0), (0, 4), (0, 0)):
+        v = torch.zeros(shape, requires_grad=True)
+        out = aggregate(v, torch.zeros(shape, dtype=torch.bool), mode=mode)
+        assert out.item() == 0.0
+        out.backward()
+        assert v.grad.shape == shape
+
+
 @pytest.mark.parametrize("name", list(REDUCTIONS))
 def test_empty_mask_gives_finite_zero_and_zero_gradient(name):
     fn = REDUCTIONS[name]
@@ -535,6 +546,15 @@ def test_bad_inputs():
         aggregate(values, mask, num_tokens=-1)
     with pytest.raises(InvalidArgumentError, match="aggregate: num_sequences must be >= 0, got -2"):
         aggregate(values, mask, mode="seq-mean-token-sum", num_sequences=-2)
+    # a count is a scalar: a [2] or [B, T] count would broadcast the loss into a tensor
+    for count in (torch.tensor([6.0, 3.0]), torch.ones(2, 3)):
+        with pytest.raises(ShapeError, match=r"aggregate: num_tokens has shape \((2|2, 3),?\); expected a scalar"):
+            aggregate(values, mask, num_tokens=count)
+    assert aggregate(values, mask, num_tokens=torch.tensor([6.0])).shape == ()
+    with pytest.raises(InvalidArgumentError, match="aggregate: num_tokens must be finite and >= 0, got inf"):
+        aggregate(values, mask, num_tokens=float("inf"))
+    with pytest.raises(InvalidArgumentError, match="aggregate: num_sequences must be a number >= 0, got True"):
+        aggregate(values, mask, mode="seq-mean-token-mean", num_sequences=True)
     with pytest.raises(InvalidArgumentError, match="masked_whiten: eps must be >= 0, got -1"):
         masked_whiten(values, mask, eps=-1.0)
     with pytest.raises(DTypeError, match="aggregate: per_token has dtype torch.int64; expected a floating-point"):

@@ -59,6 +59,8 @@ def test_sapo_bad_inputs():
     lp, old, adv, mask = _data(2, 3)
     with pytest.raises(InvalidArgumentError, match="sapo_loss: tau_neg must be > 0, got 0"):
         sapo_loss(lp, old, adv, mask, tau_neg=0)
+    with pytest.raises(InvalidArgumentError, match="sapo_loss: tau_pos must be finite and > 0, got inf"):
+        sapo_loss(lp, old, adv, mask, tau_pos=float("inf"))  # the gate would be 0 and its gradient NaN
     with pytest.raises(ShapeError, match=r"sapo_loss: advantages has shape \(3,\)"):
         sapo_loss(lp, old, torch.zeros(3), mask)
 

@@ -638,6 +638,7 @@ def _compact_rewards(fn: str, rewards: torch.Tensor, mask: torch.Tensor, dest: t
     [B, T] rewards read at counted positions, [B] rewards on the last counted token of each
     row (a row with no counted token drops it). :func:`_expand` gives the [B, T] form."""
     _check_rewards(fn, rewards, mask)
+    rewards = rewards.detach()
     if rewards.dim() == 2:
         return _compact(rewards.float(), dest, width)[:, :width]
     n = _count(mask, -1, keepdim=True)
@@ -868,11 +869,15 @@ def kl_penalized_rewards(
     fn = "kl_penalized_rewards"
     _check_tokens(fn, mask)
     check_tensor(fn, "log_probs", log_probs)
+    check_tensor(fn, "ref_log_probs", ref_log_probs)
     check_same_shape(fn, "log_probs", log_probs, "mask", mask)
-    check_non_negative(fn, "kl_coef", kl_coef)
+    check_non_negative(fn, "kl_coef", kl_coef, finite=True)
     dest, width, _ = _compaction(mask)
-    token_rewards = _expand(_compact_rewards(fn, rewards.detach(), mask, dest, width), dest)
-    kl = approx_kl(log_probs.detach(), ref_log_probs.detach(), estimator=estimator)
+    token_rewards = _expand(_compact_rewards(fn, rewards, mask, dest, width), dest)
+    try:
+        kl = approx_kl(log_probs.detach(), ref_log_probs.detach(), estimator=estimator)
+    except (InvalidArgumentError, ShapeError) as error:  # its checks, named for this function
+        raise type(error)(str(error).replace("approx_kl: ", f"{fn}: ", 1)) from None
     return (token_rewards - kl_coef * kl).masked_fill_(~mask, 0.0)
 
 
@@ -940,7 +945,7 @@ def gae(
     _check_gamma(fn, "gamma", gamma)
     _check_gamma(fn, "lam", lam)
     dest, width, K = _compaction(mask)
-    r_c = _compact_rewards(fn, rewards.detach(), mask, dest, width)
+    r_c = _compact_rewards(fn, rewards, mask, dest, width)
     v_ext = _compact(values.detach().float(), dest, width)
     v_c, v_next = v_ext[:, :width], v_ext[:, 1:width + 1]  # V[t_{n+1}] = 0: column width is 0
     delta = torch.add(r_c - v_c, v_next, alpha=float(gamma))  # 0 after the last counted token

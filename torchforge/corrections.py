@@ -33,6 +33,7 @@ from torchforge.errors import (
     check_choice,
     check_float,
     check_mask,
+    check_non_negative,
     check_same_shape,
     check_tensor,
     shape_str,
@@ -416,8 +417,7 @@ def overlong_penalty(
         raise InvalidArgumentError(
             f"{fn}: buffer_length must be an int in [0, max_length={max_length}], got {buffer_length!r}"
         )
-    if not penalty >= 0:
-        raise InvalidArgumentError(f"{fn}: penalty must be >= 0, got {penalty}")
+    check_non_negative(fn, "penalty", penalty, finite=True)
     lengths = lengths.float()
     if buffer_length == 0:
         return torch.where(lengths > max_length, -float(penalty), 0.0)

@@ -7,6 +7,7 @@ expected, e.g. ``ppo_loss: advantages has shape (8,) but log_probs has shape
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -89,14 +90,27 @@ def check_mask(fn: str, mask: torch.Tensor, ref_name: str, ref: torch.Tensor) ->
         )
 
 
-def check_positive(fn: str, name: str, value: float) -> None:
-    if not value > 0:
-        raise InvalidArgumentError(f"{fn}: {name} must be > 0, got {value}")
+def _check_bound(fn: str, name: str, value, bound: str, holds, finite: bool) -> None:
+    if isinstance(value, str) or isinstance(value, bool):
+        raise InvalidArgumentError(f"{fn}: {name} must be a number {bound}, got {value!r}")
+    try:
+        ok = bool(holds(value))
+    except (TypeError, RuntimeError):  # not a number, or a tensor of several values
+        raise InvalidArgumentError(f"{fn}: {name} must be a number {bound}, got {value!r}") from None
+    if not ok:
+        raise InvalidArgumentError(f"{fn}: {name} must be {bound}, got {value}")
+    if finite and not math.isfinite(value):
+        raise InvalidArgumentError(f"{fn}: {name} must be finite and {bound}, got {value}")
 
 
-def check_non_negative(fn: str, name: str, value: float) -> None:
-    if not value >= 0:
-        raise InvalidArgumentError(f"{fn}: {name} must be >= 0, got {value}")
+def check_positive(fn: str, name: str, value: float, *, finite: bool = False) -> None:
+    """``value > 0`` (and finite with ``finite=True``), else an error naming ``fn`` and ``name``."""
+    _check_bound(fn, name, value, "> 0", lambda v: v > 0, finite)
+
+
+def check_non_negative(fn: str, name: str, value: float, *, finite: bool = False) -> None:
+    """``value >= 0`` (and finite with ``finite=True``), else an error naming ``fn`` and ``name``."""
+    _check_bound(fn, name, value, ">= 0", lambda v: v >= 0, finite)
 
 
 def check_choice(fn: str, name: str, value, choices: Iterable) -> None:

@@ -260,6 +260,11 @@ def adaptive_kl_coef(
     check_positive(fn, "horizon", horizon)
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
         raise InvalidArgumentError(f"{fn}: num_steps must be an int >= 0, got {num_steps!r}")
+    if num_steps > 5 * horizon:  # 1 - 0.2 * num_steps / horizon < 0: an error of -20% would flip the sign
+        raise InvalidArgumentError(
+            f"{fn}: num_steps={num_steps} is more than 5 x horizon={horizon}, so the coefficient could turn "
+            "negative; expected num_steps <= 5 * horizon"
+        )
     for name, value in (("kl_coef", kl_coef), ("observed_kl", observed_kl)):
         if isinstance(value, torch.Tensor):
             if value.dim() != 0 or not value.is_floating_point():

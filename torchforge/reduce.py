@@ -520,9 +520,19 @@ def aggregate(
     check_choice(fn, "mode", mode, AGGREGATION_MODES)
     if not (isinstance(dp_size, int) and dp_size >= 1):
         raise InvalidArgumentError(f"{fn}: dp_size must be an int >= 1, got {dp_size!r}")
-    for name, count in (("num_tokens", num_tokens), ("num_sequences", num_sequences)):
-        if count is not None and not isinstance(count, torch.Tensor):  # no device sync
-            check_non_negative(fn, name, count)
+    def checked_count(name: str, count):
+        if isinstance(count, torch.Tensor):  # its value is not checked: no device sync
+            if count.numel() != 1:
+                raise ShapeError(
+                    f"{fn}: {name} has shape {tuple(count.shape)}; expected a scalar, the count over every "
+                    "micro-batch and rank"
+                )
+            return count.reshape(())  # a [1] count must not make the loss [1]
+        if count is not None:
+            check_non_negative(fn, name, count, finite=True)
+        return count
+
+    num_tokens, num_sequences = checked_count("num_tokens", num_tokens), checked_count("num_sequences", num_sequences)
     masked = _masked(fn, per_token, mask, "per_token")
 
     if mode == "token-mean":
@@ -546,9 +556,9 @@ def aggregate(
     elif mode == "seq-mean-token-sum":
         total = masked.sum()
     else:
-        length = per_token.shape[-1] if norm_length is None else norm_length
-        check_positive(fn, "norm_length", length)
-        total = masked.sum() / length
+        if norm_length is not None:
+            check_positive(fn, "norm_length", norm_length, finite=True)
+        total = masked.sum() / (max(per_token.shape[-1], 1) if norm_length is None else norm_length)  # T = 0: 0
     return dp_size * total / _clamp_count(count)
 
 

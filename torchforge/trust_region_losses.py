@@ -169,8 +169,8 @@ def sapo_loss(
     """
     fn = "sapo_loss"
     _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
-    check_positive(fn, "tau_pos", tau_pos)
-    check_positive(fn, "tau_neg", tau_neg)
+    check_positive(fn, "tau_pos", tau_pos, finite=True)
+    check_positive(fn, "tau_neg", tau_neg, finite=True)
     check_positive(fn, "max_log_ratio", max_log_ratio)
     A = _per_token(fn, "advantages", advantages, log_probs)
 

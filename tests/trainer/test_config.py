@@ -9,7 +9,8 @@ from torchforge.errors import InvalidArgumentError
 
 @pytest.mark.parametrize("values, message", [
     (dict(algorithm="dpo"), r"RLConfig: algorithm='dpo'; expected one of \['grpo', 'ppo', 'reinforce'\]"),
-    (dict(learning_rate=0), r"RLConfig: learning_rate=0; expected a number in \(0, inf\]"),
+    (dict(learning_rate=0), r"RLConfig: learning_rate=0; expected a finite number in \(0, inf\)"),
+    (dict(learning_rate=float("inf")), r"RLConfig: learning_rate=inf; expected a finite number in \(0, inf\)"),
     (dict(num_generations=1), r"algorithm='grpo' with num_generations=1; expected >= 2"),
     (dict(micro_batch_size=6), r"micro_batch_size=6 is not a multiple of num_generations=4"),
     (dict(algorithm="reinforce", num_iterations=2), r"REINFORCE is on-policy"),
@@ -22,9 +23,12 @@ from torchforge.errors import InvalidArgumentError
     (dict(distributed_strategy="zero3"), r"distributed_strategy='zero3'; expected one of \['fsdp', 'ddp', 'none'\]"),
     (dict(policy_loss="dpo"), r"policy_loss='dpo'; expected one of \['ppo', 'gspo', 'cispo', 'sapo', 'gmpo', 'clip_cov', 'kl_cov', 'reinforce'\]"),
     (dict(kl_gradient="exact"), r"kl_gradient='exact'; expected one of \['estimator', 'straight-through', 'bias-corrected'\]"),
-    (dict(entropy_coef=-0.1), r"entropy_coef=-0.1; expected a number in \[0, inf\]"),
+    (dict(entropy_coef=-0.1), r"entropy_coef=-0.1; expected a finite number in \[0, inf\)"),
     (dict(mask_truncated_completions=1), r"mask_truncated_completions=1; expected True or False"),
-    (dict(sapo_tau_neg=0), r"sapo_tau_neg=0; expected a number in \(0, inf\]"),
+    (dict(sapo_tau_neg=0), r"sapo_tau_neg=0; expected a finite number in \(0, inf\)"),
+    (dict(sapo_tau_pos=float("inf")), r"sapo_tau_pos=inf; expected a finite number in \(0, inf\)"),
+    (dict(kl_target=0.1, kl_horizon=5), r"kl_horizon=5 with 32 sequences per step could turn the adaptive KL "
+                                         r"coefficient negative; expected kl_horizon >= 6.4"),
     (dict(cov_select_frac=0.0), r"cov_select_frac=0.0; expected a number in \(0, 1\]"),
     (dict(cov_low=5.0, cov_high=1.0), r"cov_low=5.0 and cov_high=1.0; expected cov_low < cov_high"),
     (dict(rollout_correction="icepop"), r"rollout_correction='icepop'; expected one of \['none', 'tis', 'mask'\]"),

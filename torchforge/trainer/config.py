@@ -260,14 +260,17 @@ class RLConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(name, "an int >= 1" + (" or None" if optional else ""))
 
-        def in_range(name: str, low: float, high: float, optional: bool = False, open_low: bool = False) -> None:
+        def in_range(name: str, low: float, high: float, optional: bool = False, open_low: bool = False,
+                     finite: bool = False) -> None:
             value = getattr(self, name)
             if optional and value is None:
                 return
+            expected = f"a {'finite ' if finite else ''}number in {'(' if open_low else '['}{low}, {high}" + (
+                ")" if finite else "]")
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise bad(name, f"a number in {'(' if open_low else '['}{low}, {high}]")
-            if not (low < value <= high if open_low else low <= value <= high):
-                raise bad(name, f"a number in {'(' if open_low else '['}{low}, {high}]")
+                raise bad(name, expected)
+            if not (low < value <= high if open_low else low <= value <= high) or (finite and not math.isfinite(value)):
+                raise bad(name, expected)
 
         choice("algorithm", ALGORITHMS)
         choice("distributed_strategy", STRATEGIES)  # DistributedConfig's lists: one definition
@@ -309,20 +312,20 @@ class RLConfig:
             positive_int(name)
         for name in ("micro_batch_size", "max_steps", "save_steps", "max_total_tokens"):
             positive_int(name, optional=True)
-        in_range("learning_rate", 0, float("inf"), open_low=True)
-        in_range("kl_coef", 0, float("inf"))
-        in_range("temperature", 0, float("inf"), open_low=True)
+        in_range("learning_rate", 0, float("inf"), open_low=True, finite=True)
+        in_range("kl_coef", 0, float("inf"), finite=True)
+        in_range("temperature", 0, float("inf"), open_low=True, finite=True)
         in_range("top_p", 0, 1, open_low=True)
         in_range("clip_low", 0, 1)
         in_range("clip_high", 0, float("inf"), optional=True)
         in_range("gamma", 0, 1)
         in_range("lam", 0, 1)
-        in_range("value_coef", 0, float("inf"))
-        in_range("entropy_coef", 0, float("inf"))
-        in_range("sapo_tau_pos", 0, float("inf"), open_low=True)
-        in_range("sapo_tau_neg", 0, float("inf"), open_low=True)
+        in_range("value_coef", 0, float("inf"), finite=True)
+        in_range("entropy_coef", 0, float("inf"), finite=True)
+        in_range("sapo_tau_pos", 0, float("inf"), open_low=True, finite=True)
+        in_range("sapo_tau_neg", 0, float("inf"), open_low=True, finite=True)
         in_range("cov_select_frac", 0, 1, open_low=True)
-        in_range("kl_cov_coef", 0, float("inf"))
+        in_range("kl_cov_coef", 0, float("inf"), finite=True)
         in_range("cov_low", float("-inf"), float("inf"))
         in_range("cov_high", float("-inf"), float("inf"))
         if not self.cov_low < self.cov_high:
@@ -331,7 +334,7 @@ class RLConfig:
             )
         in_range("value_clip", 0, float("inf"), optional=True)
         in_range("max_grad_norm", 0, float("inf"), optional=True, open_low=True)
-        in_range("weight_decay", 0, float("inf"))
+        in_range("weight_decay", 0, float("inf"), finite=True)
         in_range("num_train_epochs", 0, float("inf"), open_low=True)
         in_range("step_timeout", 0, float("inf"), optional=True, open_low=True)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
@@ -349,6 +352,11 @@ class RLConfig:
             raise InvalidArgumentError(
                 f"{fn}: micro_batch_size={self.micro_batch_size} is not a multiple of num_generations={G}; "
                 "expected whole groups per micro-batch (advantages are computed per group)"
+            )
+        if self.kl_target is not None and self.prompts_per_step * G > 5 * self.kl_horizon:
+            raise InvalidArgumentError(  # adaptive_kl_coef: 1 - 0.2 * sequences / kl_horizon must stay >= 0
+                f"{fn}: kl_horizon={self.kl_horizon} with {self.prompts_per_step * G} sequences per step could "
+                f"turn the adaptive KL coefficient negative; expected kl_horizon >= {self.prompts_per_step * G / 5:g}"
             )
         if self.algorithm == "grpo" and G < 2:
             raise InvalidArgumentError(
