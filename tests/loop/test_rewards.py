@@ -26,7 +26,7 @@ def test_weighted_sum_over_the_functions_that_apply():
     total, parts = score_rewards([Length(), starts_with_one], prompts=PROMPTS, completions=COMPLETIONS,
                                  weights=[0.5, 2.0])
     # row 0: 0.5 * 2 + 2 * 1; row 1: 0.5 * 1 + 2 * 1; row 2: 0.5 * 1 (starts_with_one is None)
-    torch.testing.assert_close(total, torch.tensor([3.0, 2.5, 0.5]))
+    torch.testing.assert_close(total, torch.tensor([3.0, 2.5, 0.5], dtype=torch.float64))  # the functions' floats
     assert list(parts) == ["Length", "starts_with_one"]
     assert torch.isnan(parts["starts_with_one"][2]) and parts["Length"].tolist() == [2.0, 1.0, 1.0]
 

@@ -244,6 +244,34 @@ def test_the_learning_rate_schedule_counts_steps_not_optimizer_steps(tmp_path, n
     assert logged == pytest.approx(expected, rel=1e-12)
 
 
+def test_rewards_reach_the_advantages_unrounded_at_an_offset_of_1e4(tmp_path):
+    # near 1e4 float32 steps by 1e-3: rewards 1e4 + {0, 0.01, 0.02, 0.03} held in float32
+    # gave advantages up to 0.03 off; the rewards stay float64 up to the group statistics
+    from torchforge.advantages import group_advantages
+    from torchforge.trainer.algorithms import GRPO
+
+    seen = {}
+
+    class Spy(GRPO):
+        def prepare(self, batch):
+            super().prepare(batch)
+            seen["advantages"] = batch.advantages.clone()
+
+    class Offset(RewardFunction):
+        name = "offset"
+
+        def compute(self, completions, prompts):
+            return [1e4 + 0.01 * (i % 4) for i in range(len(completions))]
+
+    tokenizer = char_tokenizer()
+    trainer = RLTrainer(model=tiny_llama(tokenizer), tokenizer=tokenizer, algorithm=Spy(),
+                        config=small_config(tmp_path, max_steps=1), reward_functions=[Offset()],
+                        train_dataset=copy_digits_dataset(8))
+    trainer.train_step(0)
+    expected = group_advantages(0.01 * (torch.arange(16) % 4).double(), group_size=4)
+    torch.testing.assert_close(seen["advantages"], expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("offset", [0.0, 1e2, 1e4])
 def test_logged_reward_std_is_the_spread_of_the_rewards_at_any_offset(tmp_path, offset):
     # Rewards offset + {0, 0.1, 0.2, 0.3}, as float32 holds them. Formed as

@@ -330,7 +330,7 @@ class Episodes:
     Args:
         turns: [B] int64 model turns played.
         lengths: [B] int64 tokens of each response (model and observation tokens; T is the largest).
-        returns: [B] float32 episode returns ``sum_k gamma**k * r_k`` over turns k.
+        returns: [B] float64 episode returns ``sum_k gamma**k * r_k`` over turns k.
         turn_rewards: B lists of each turn's reward.
         turn_index: [B, T] int64, the turn of each model token, -1 for observation and padding.
         reasons: B strings, why each episode ended (``"done"``, ``"max_turns"``,
@@ -645,7 +645,7 @@ def _to_batch(episodes: list[_Episode], pad_id: int, gamma: float) -> tuple[Batc
                     turn_index[b][t] = k
             start = end + 1
     returns = torch.tensor([sum(gamma ** k * r for k, r in enumerate(ep.turn_rewards)) for ep in episodes],
-                           dtype=torch.float32)
+                           dtype=torch.float64)  # as score_rewards: the group statistics see them unrounded
     batch = Batch(
         tokens=tokens, mask=mask, rollout_log_probs=log_probs, rewards=torch.tensor(rewards, dtype=torch.float32),
         prompt_tokens=prompt_tokens, prompt_mask=prompt_mask,

@@ -127,8 +127,10 @@ def score_rewards(
             (1.0 when it has none).
 
     Returns:
-        ``(rewards, per_function)``: float32 [B] combined rewards, and name -> float32 [B]
-        unweighted scores of each function (NaN where it returned None).
+        ``(rewards, per_function)``: float64 [B] combined rewards, and name -> float64 [B]
+        unweighted scores of each function (NaN where it returned None). float64, as the
+        functions' Python floats: near 1e4 float32 keeps steps of 1e-3, which would round
+        a spread of 0.01 before the group statistics see it.
 
     Raises:
         RewardError: a function raised (chained), returned a non-sequence, a wrong number
@@ -168,7 +170,7 @@ def score_rewards(
             raise RewardError(
                 f"{fn}: reward function {name!r} returned {got} for {B} completions; expected a list of {B} floats"
             )
-        scores = torch.tensor([_as_float(name, i, v) for i, v in enumerate(values)], dtype=torch.float32)
+        scores = torch.tensor([_as_float(name, i, v) for i, v in enumerate(values)], dtype=torch.float64)
         key, k = name, 1
         while key in per_function:  # two functions of the same name keep separate metrics
             k += 1

@@ -70,7 +70,7 @@ def score_step(trainer: Any, batch: Batch, prompts: list[str], rows: list[dict[s
         rows: the N rows (their fields reach the reward functions).
 
     Returns:
-        name -> float32 [B] unweighted scores: ``environment`` and each reward function's.
+        name -> float64 [B] unweighted scores: ``environment`` and each reward function's.
     """
     G, record = trainer.config.num_generations, trainer.episodes
     env_returns = record.returns

@@ -437,7 +437,7 @@ class RLTrainer:
         rounds = [(batch, per_function)]
 
         def informative(b: Batch) -> torch.Tensor:  # [groups] bool
-            return ~zero_std_groups(b.rewards.float().cpu(), group_size=G).view(-1, G)[:, 0]
+            return ~zero_std_groups(b.rewards.cpu(), group_size=G).view(-1, G)[:, 0]
 
         kept = int(informative(batch).sum())
         while len(rounds) < cfg.max_sampling_rounds:
@@ -614,7 +614,7 @@ class RLTrainer:
         lengths are the sampled ``batch``'s; the loss metrics and the groups without signal are
         the ``counted`` batch's, which the update saw (``mask_truncated_completions``)."""
         G = self.config.num_generations
-        rewards = batch.rewards.float().cpu()
+        rewards = batch.rewards.cpu()
         lengths = batch.mask.sum(-1).float().cpu()
         tokens = lengths.sum()
         truncated = batch.truncated.cpu()
