@@ -196,6 +196,14 @@ def test_high_entropy_mask_hand_derived():
     none = torch.zeros_like(mask)
     assert high_entropy_mask(entropy, none, quantile=0.2).sum() == 0 and entropy_threshold(entropy, none, quantile=0.2) == 0
     assert high_entropy_mask(torch.zeros(0, 3), torch.zeros(0, 3, dtype=torch.bool), quantile=0.2).shape == (0, 3)
+    # a NaN counted entropy: the order is unknown, so the threshold is NaN and nothing is kept, at any
+    # quantile (sorted last, the NaN was read at 0.2 and skipped at 0.5); a NaN where masked changes nothing
+    e = torch.tensor([[0.1, 0.2, 0.3, 0.4, float("nan")]])
+    for quantile in (0.2, 0.5, 1.0):
+        assert entropy_threshold(e, quantile=quantile).isnan()
+        assert high_entropy_mask(e, torch.ones_like(e, dtype=torch.bool), quantile=quantile).sum() == 0
+    counted = torch.tensor([[True, True, True, True, False]])
+    torch.testing.assert_close(entropy_threshold(e, counted, quantile=0.5), torch.tensor(0.25))
 
 
 @given(B=st.integers(1, 5), T=st.integers(1, 7), seed=st.integers(0, 10_000),

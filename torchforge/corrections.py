@@ -290,7 +290,8 @@ def entropy_threshold(
         quantile: the fraction of tokens kept, in (0, 1] (the paper and TRL: 0.2).
 
     Returns:
-        float32 scalar; 0 when nothing is counted.
+        float32 scalar; 0 when nothing is counted; NaN when a counted entropy is NaN
+        (whatever the quantile: the tokens' order is unknown).
 
     Example:
         >>> import torch
@@ -309,7 +310,8 @@ def entropy_threshold(
         return torch.zeros((), device=entropy.device)
     position = (1.0 - quantile) * (n - 1)
     lower, upper = values[math.floor(position)], values[math.ceil(position)]
-    return lower + (upper - lower) * (position - math.floor(position))
+    threshold = lower + (upper - lower) * (position - math.floor(position))
+    return torch.where(values[-1].isnan(), values[-1], threshold)  # NaN sorts last: any NaN makes it NaN
 
 
 def high_entropy_mask(
