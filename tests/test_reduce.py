@@ -440,7 +440,7 @@ def test_masked_min_max_bad_inputs():
         masked_min(values.long(), mask)
     with pytest.raises(InvalidArgumentError, match="masked_min: fill must be a number \\(not NaN\\), got nan"):
         masked_min(values, mask, fill=NAN)
-    with pytest.raises(InvalidArgumentError, match="masked_max: dim=2 is out of range for values of 2 dimensions"):
+    with pytest.raises(InvalidArgumentError, match=r"masked_max: dim=2 for values of 2 dimensions; expected None or an int in \[-2, 2\)"):
         masked_max(values, mask, dim=2)
 
 
@@ -546,6 +546,15 @@ def test_bad_inputs():
         aggregate(values, mask, num_tokens=-1)
     with pytest.raises(InvalidArgumentError, match="aggregate: num_sequences must be >= 0, got -2"):
         aggregate(values, mask, mode="seq-mean-token-sum", num_sequences=-2)
+    # dim: one named error (was torch's IndexError or a TypeError from deep inside)
+    for fn in (masked_sum, masked_mean, masked_var, masked_min, masked_max):
+        with pytest.raises(InvalidArgumentError, match=rf"{fn.__name__}: dim=5 for values of 2 dimensions; "
+                                                       r"expected None or an int in \[-2, 2\)"):
+            fn(values, mask, dim=5)
+    for fn in (masked_var, masked_min):
+        with pytest.raises(InvalidArgumentError, match=rf"{fn.__name__}: dim=\(0, 1\) for values of 2 dimensions"):
+            fn(values, mask, dim=(0, 1))
+    assert masked_sum(values, mask, dim=(0, 1)) == masked_sum(values, mask)
     # a count is a scalar: a [2] or [B, T] count would broadcast the loss into a tensor
     for count in (torch.tensor([6.0, 3.0]), torch.ones(2, 3)):
         with pytest.raises(ShapeError, match=r"aggregate: num_tokens has shape \((2|2, 3),?\); expected a scalar"):

@@ -70,6 +70,18 @@ def _masked(fn: str, values: torch.Tensor, mask: torch.Tensor, name: str = "valu
     return torch.where(mask, values.float(), 0.0)
 
 
+def _check_dim(fn: str, dim, values: torch.Tensor, tuples: bool = False) -> None:
+    """``dim`` is None or an int in [-ndim, ndim) (a tuple of them where ``tuples``)."""
+    if dim is None:
+        return
+    for d in (dim if tuples and isinstance(dim, tuple) else (dim,)):
+        if isinstance(d, bool) or not isinstance(d, int) or not -values.ndim <= d < max(values.ndim, 1):
+            raise InvalidArgumentError(
+                f"{fn}: dim={dim!r} for values of {values.ndim} dimensions; expected None or an int in "
+                f"[{-values.ndim}, {max(values.ndim, 1)})"
+            )
+
+
 def _check_ranks(fn: str, dim: int | None, sum_over_ranks: SumOverRanks | None) -> None:
     if sum_over_ranks is not None and dim is not None:
         raise InvalidArgumentError(
@@ -134,7 +146,9 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, *, dim: int | None = No
         The masked reductions take tensors only, not a ``Batch``: their ``values`` is any
         tensor, not the critic's ``values`` key (reading that key silently was a trap).
     """
-    return _sum(_masked("masked_sum", values, mask), dim)
+    masked = _masked("masked_sum", values, mask)
+    _check_dim("masked_sum", dim, values, tuples=True)
+    return _sum(masked, dim)
 
 
 def masked_mean(
@@ -169,6 +183,7 @@ def masked_mean(
     fn = "masked_mean"
     _check_ranks(fn, dim, sum_over_ranks)
     masked = _masked(fn, values, mask)
+    _check_dim(fn, dim, values, tuples=True)
     if sum_over_ranks is None:
         return _sum(masked, dim) / _count(mask, dim).clamp(min=1)
     total, count = _over_ranks(fn, sum_over_ranks, masked.sum(), _count(mask))
@@ -196,6 +211,7 @@ def _deviation_and_var(
     """
     _check_ranks(fn, dim, sum_over_ranks)
     x = _masked(fn, values, mask)
+    _check_dim(fn, dim, values)
     count, total = _over_ranks(fn, sum_over_ranks, _count(mask, dim, keepdim=True), _sum(x, dim, keepdim=True))
     shift = (total / count.clamp(min=1)).float().detach()
     # d M2 / d mean = -2 sum (x - mean) = 0 over the whole batch, so the mean is a constant
@@ -376,8 +392,7 @@ def _masked_extremum(fn: str, values, mask, dim, fill, largest: bool) -> torch.T
     check_tensor(fn, "values", values)
     check_float(fn, "values", values)
     check_mask(fn, mask, "values", values)
-    if dim is not None and not -values.ndim <= dim < max(values.ndim, 1):
-        raise InvalidArgumentError(f"{fn}: dim={dim} is out of range for values of {values.ndim} dimensions")
+    _check_dim(fn, dim, values)
     blank = -torch.inf if largest else torch.inf
     filled = torch.where(mask, values.float(), blank)
     if (filled.numel() == 0) if dim is None else (filled.shape[dim] == 0):
