@@ -141,7 +141,7 @@ def score_rewards(
         ...     [lambda prompts, completions, **kw: [1.0, None]],
         ...     prompts=["p", "p"], completions=["a", "b"])
         >>> total
-        tensor([1., nan])
+        tensor([1., nan], dtype=torch.float64)
     """
     fn = "score_rewards"
     if not reward_functions:
