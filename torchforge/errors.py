@@ -91,7 +91,7 @@ def check_mask(fn: str, mask: torch.Tensor, ref_name: str, ref: torch.Tensor) ->
 
 
 def _check_bound(fn: str, name: str, value, bound: str, holds, finite: bool) -> None:
-    if isinstance(value, str) or isinstance(value, bool):
+    if isinstance(value, (str, bool)):
         raise InvalidArgumentError(f"{fn}: {name} must be a number {bound}, got {value!r}")
     try:
         ok = bool(holds(value))

@@ -535,19 +535,8 @@ def aggregate(
     check_choice(fn, "mode", mode, AGGREGATION_MODES)
     if not (isinstance(dp_size, int) and dp_size >= 1):
         raise InvalidArgumentError(f"{fn}: dp_size must be an int >= 1, got {dp_size!r}")
-    def checked_count(name: str, count):
-        if isinstance(count, torch.Tensor):  # its value is not checked: no device sync
-            if count.numel() != 1:
-                raise ShapeError(
-                    f"{fn}: {name} has shape {tuple(count.shape)}; expected a scalar, the count over every "
-                    "micro-batch and rank"
-                )
-            return count.reshape(())  # a [1] count must not make the loss [1]
-        if count is not None:
-            check_non_negative(fn, name, count, finite=True)
-        return count
-
-    num_tokens, num_sequences = checked_count("num_tokens", num_tokens), checked_count("num_sequences", num_sequences)
+    num_tokens = _checked_count(fn, "num_tokens", num_tokens)
+    num_sequences = _checked_count(fn, "num_sequences", num_sequences)
     masked = _masked(fn, per_token, mask, "per_token")
 
     if mode == "token-mean":
@@ -575,6 +564,20 @@ def aggregate(
             check_positive(fn, "norm_length", norm_length, finite=True)
         total = masked.sum() / (max(per_token.shape[-1], 1) if norm_length is None else norm_length)  # T = 0: 0
     return dp_size * total / _clamp_count(count)
+
+
+def _checked_count(fn: str, name: str, count):
+    """A count of ``aggregate``: a number >= 0, or a scalar tensor (its value unchecked: no device sync)."""
+    if isinstance(count, torch.Tensor):
+        if count.numel() != 1:
+            raise ShapeError(
+                f"{fn}: {name} has shape {tuple(count.shape)}; expected a scalar, the count over every "
+                "micro-batch and rank"
+            )
+        return count.reshape(())  # a [1] count must not make the loss [1]
+    if count is not None:
+        check_non_negative(fn, name, count, finite=True)
+    return count
 
 
 def _clamp_count(count):
