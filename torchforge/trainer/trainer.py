@@ -618,8 +618,7 @@ class RLTrainer:
         lengths = batch.mask.sum(-1).float().cpu()
         tokens = lengths.sum()
         truncated = batch.truncated.cpu()
-        # a truncated completion that counts for nothing is not in its group's statistics
-        scored = rewards.masked_fill(truncated, math.nan) if self.config.mask_truncated_completions else rewards
+        scored = self._counted_completions(batch).rewards.cpu()  # a truncated one that counts for nothing: NaN
         sums: dict[str, torch.Tensor] = {"_sequences": torch.tensor(float(len(rewards))), "_tokens": tokens,
                                          "_counted_tokens": counted.mask.sum().float().cpu(),
                                          "_loss": loss, "completions/_length_sum": tokens,
