@@ -43,6 +43,8 @@ class Batch:
         prompt_tokens: [B, P] int64 prompt ids (left-padded).
         prompt_mask: [B, P] bool, True on real prompt tokens.
         truncated: [B] bool, True where generation hit the length limit.
+        policy_version: [B] int64, the version of the weights that sampled each sequence
+            (the optimizer step after which the generation engine got them).
         batch_size: ``[B]``.
 
     Returns:
@@ -71,6 +73,7 @@ class Batch:
     prompt_tokens: Optional[torch.Tensor] = None
     prompt_mask: Optional[torch.Tensor] = None
     truncated: Optional[torch.Tensor] = None
+    policy_version: Optional[torch.Tensor] = None
 
 
 # A tensorclass indexes along its batch dimensions only; DESIGN.md also promises

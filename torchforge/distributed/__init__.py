@@ -47,7 +47,7 @@ from torchforge.distributed.process_group import (
     teardown_distributed,
     world_size,
 )
-from torchforge.distributed.weight_sync import generation_kwargs, sync_weights
+from torchforge.distributed.weight_sync import full_weights, generation_kwargs, sync_weights
 
 __all__ = [
     "DistributedConfig",
@@ -70,6 +70,7 @@ __all__ = [
     "unwrap_model",
     "generation_kwargs",
     "sync_weights",
+    "full_weights",
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",

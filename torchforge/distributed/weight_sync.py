@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 from torch import nn
 
@@ -98,3 +100,30 @@ def sync_weights(src_model: nn.Module, dst_model: nn.Module) -> None:
                 f"{tuple(target.shape)} in dst_model; expected equal shapes"
             )
         target.copy_(full)
+
+
+def full_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters of a trained model (plain, DDP or FSDP2) as full tensors, one at a time.
+
+    Yields ``(name, tensor)`` by Hugging Face parameter name (wrapper prefixes such as
+    ``_fsdp_wrapped_module`` or ``_orig_mod`` removed); a sharded ``DTensor`` is gathered
+    with ``full_tensor()`` as it is reached, so the extra memory is one full tensor. Every
+    rank must consume the whole iterator, in the same order (each gather is a collective).
+    This is what a generation engine's ``update_weights`` takes.
+
+    Args:
+        model: the model being trained.
+
+    Returns:
+        An iterator of ``(name, tensor)`` pairs, detached (no grad).
+
+    Example:
+        >>> import torch
+        >>> [name for name, _ in full_weights(torch.nn.Linear(2, 2))]
+        ['weight', 'bias']
+    """
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in unwrap_model(model).named_parameters():
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        yield _clean_name(name), full.detach()

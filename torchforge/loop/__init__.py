@@ -11,9 +11,13 @@ handwritten loop can call them too:
 4. :func:`accumulate_gradients` runs one optimizer step's micro-batches with exact loss
    aggregation (global token / sequence counts), then :func:`optimizer_step` clips and steps.
 
+Generation goes through an engine (:mod:`torchforge.loop.engines`): Hugging Face
+``generate`` by default, vLLM in process or as a server (:mod:`torchforge.loop.vllm_engine`).
+
 :func:`evaluate` scores sampled and greedy completions of held-out prompts (pass@k).
 """
 
+from torchforge.loop.engines import Completion, GenerationEngine, HFEngine, SamplingSettings, request_seeds
 from torchforge.loop.environments import Environment, Episodes, StepResult, episode_metrics, rollout_episodes
 from torchforge.loop.evaluate import evaluate, pass_at_k
 from torchforge.loop.policy import (
@@ -26,6 +30,7 @@ from torchforge.loop.rewards import RewardError, RewardFunction, score_rewards
 from torchforge.loop.rollout import (
     completion_mask,
     completion_stop_ids,
+    completions_batch,
     decode_completions,
     rollout,
 )
@@ -33,6 +38,12 @@ from torchforge.loop.update import accumulate_gradients, micro_batches, optimize
 
 __all__ = [
     "rollout",
+    "completions_batch",
+    "GenerationEngine",
+    "SamplingSettings",
+    "Completion",
+    "HFEngine",
+    "request_seeds",
     "completion_stop_ids",
     "completion_mask",
     "decode_completions",

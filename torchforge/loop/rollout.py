@@ -1,4 +1,4 @@
-"""Rollout: sample ``num_generations`` completions per prompt from a Hugging Face causal LM.
+"""Rollout: sample ``num_generations`` completions per prompt with a generation engine.
 """
 
 from __future__ import annotations
@@ -7,12 +7,17 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
-from transformers import GenerationConfig
-
 from torchforge.batch import Batch
-from torchforge.distributed import generation_kwargs, unwrap_model
+from torchforge.distributed import unwrap_model
 from torchforge.errors import InvalidArgumentError
-from torchforge.loop.sampling import SeededSampler, sample_keys
+from torchforge.loop.engines import (
+    Completion,
+    GenerationEngine,
+    HFEngine,
+    SamplingSettings,
+    left_pad,
+    request_seeds,
+)
 
 # --- rollout -----------------------------------------------------------------------------
 
@@ -40,17 +45,6 @@ def completion_stop_ids(tokenizer: Any, model: nn.Module | None = None, extra: S
             "expected at least one stop id"
         )
     return sorted(ids)
-
-
-def _pad_left(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(sequences), width, dtype=torch.bool)
-    for row, seq in enumerate(sequences):
-        if seq:
-            ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-            mask[row, width - len(seq):] = True
-    return ids, mask
 
 
 def completion_mask(tokens: torch.Tensor, stop_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +76,7 @@ def completion_mask(tokens: torch.Tensor, stop_ids: Sequence[int]) -> tuple[torc
 
 @torch.no_grad()
 def rollout(
-    model: nn.Module,
+    model: nn.Module | None,
     tokenizer: Any,
     prompts: Sequence[str] | Sequence[Sequence[int]],
     *,
@@ -94,19 +88,22 @@ def rollout(
     stop_token_ids: Sequence[int] | None = None,
     seed: int | None = None,
     prompt_ids: Sequence[int] | None = None,
+    engine: GenerationEngine | None = None,
 ) -> Batch:
-    """Sample ``num_generations`` completions of each prompt with ``model.generate``.
+    """Sample ``num_generations`` completions of each prompt with a generation engine.
 
     Prompts are left-padded, completions right-padded; the G completions of a prompt are
     contiguous (row ``b`` answers prompt ``b // G``). ``mask`` covers each completion up
-    to and including its first stop token, found by position — never by ``tokens !=
-    pad_id``, which would hide the stop token when pad == eos. Sampling is exact and
-    seeded per sample (:mod:`torchforge.loop.sampling`): completion ``g`` of prompt ``i`` depends
-    only on ``(seed, prompt_ids[i], g)`` and the model, not on the batch around it.
+    to and including its first stop token — never ``tokens != pad_id``, which would hide
+    the stop token when pad == eos. Sampling is seeded per sample: completion ``g`` of
+    prompt ``i`` gets the seed of ``(seed, prompt_ids[i], g)`` (:func:`request_seeds`), so
+    it depends on neither the batch around it nor the number of processes. The default
+    engine, :class:`HFEngine` over ``model``, samples exactly (:mod:`torchforge.loop.sampling`).
 
     Args:
         model: a Hugging Face causal LM (plain, DDP or FSDP2; under FSDP every rank must
-            call this, with the same ``max_new_tokens``).
+            call this, with the same ``max_new_tokens``); the batch is put on its device. May
+            be None when an ``engine`` is given (the batch stays on the CPU).
         tokenizer: its tokenizer; ``pad_token`` may be None.
         prompts: N prompt strings (already rendered; tokenized without special tokens
             added when the tokenizer has a chat template), or N lists of token ids.
@@ -121,12 +118,15 @@ def rollout(
         seed: the sampling seed; default: drawn from torch's global RNG.
         prompt_ids: N global ids of the prompts (default 0..N-1), so that a prompt gets
             the same samples wherever it sits (another rank, another batch).
+        engine: a :class:`~torchforge.loop.engines.GenerationEngine`; default
+            ``HFEngine(model)``.
 
     Returns:
         A ``Batch`` of B rows: ``tokens`` [B, T] (T <= max_new_tokens), ``mask`` [B, T],
         ``prompt_tokens`` [B, P], ``prompt_mask`` [B, P], ``truncated`` [B] (no stop token
-        within max_new_tokens) and ``rollout_log_probs`` [B, T] (log-probs of the drawn
-        tokens under the sampling distribution, float32).
+        within max_new_tokens), ``rollout_log_probs`` [B, T] (log-probs of the drawn
+        tokens under the sampling distribution, float32, 0 off the mask) and
+        ``policy_version`` [B] int64 (the engine's weights version of each completion).
 
     Example:
         >>> from torchforge.trainer.demo import char_tokenizer, tiny_llama
@@ -139,17 +139,17 @@ def rollout(
     fn = "rollout"
     if not prompts:
         raise InvalidArgumentError(f"{fn}: prompts is empty; expected at least one prompt")
-    for name, value in (("num_generations", num_generations), ("max_new_tokens", max_new_tokens)):
-        if not (isinstance(value, int) and value >= 1):
-            raise InvalidArgumentError(f"{fn}: {name} must be an int >= 1, got {value!r}")
-    if not temperature > 0:
-        raise InvalidArgumentError(f"{fn}: temperature must be > 0, got {temperature!r}")
-    if not 0 < top_p <= 1:
-        raise InvalidArgumentError(f"{fn}: top_p must be in (0, 1], got {top_p!r}")
-    if not (isinstance(top_k, int) and top_k >= 0):
-        raise InvalidArgumentError(f"{fn}: top_k must be an int >= 0, got {top_k!r}")
-    inner = unwrap_model(model)
+    if not (isinstance(num_generations, int) and num_generations >= 1):
+        raise InvalidArgumentError(f"{fn}: num_generations must be an int >= 1, got {num_generations!r}")
+    if model is None and engine is None:
+        raise InvalidArgumentError(f"{fn}: model and engine are both None; expected a model, an engine or both")
+    inner = unwrap_model(model) if model is not None else None
     stop_ids = list(stop_token_ids) if stop_token_ids else completion_stop_ids(tokenizer, inner)
+    try:
+        settings = SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                    top_k=top_k, stop_token_ids=tuple(stop_ids))
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(str(error).replace("SamplingSettings:", f"{fn}:", 1)) from None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
 
     if isinstance(prompts[0], str):
@@ -159,42 +159,63 @@ def rollout(
         encoded = [list(p) for p in prompts]
     if any(len(e) == 0 for e in encoded):
         raise InvalidArgumentError(f"{fn}: a prompt encodes to no tokens; expected every prompt to have one")
-    prompt_tokens, prompt_mask = _pad_left(encoded, pad_id)
-    device = next(inner.parameters()).device
-    G = num_generations
-    prompt_tokens = prompt_tokens.repeat_interleave(G, 0).to(device)
-    prompt_mask = prompt_mask.repeat_interleave(G, 0).to(device)
-
-    ids = torch.arange(len(prompts)) if prompt_ids is None else torch.as_tensor(list(prompt_ids), dtype=torch.long)
-    if ids.shape != (len(prompts),):
-        raise InvalidArgumentError(f"{fn}: {ids.numel()} prompt_ids for {len(prompts)} prompts; expected one each")
+    ids = list(range(len(prompts))) if prompt_ids is None else [int(i) for i in prompt_ids]
+    if len(ids) != len(prompts):
+        raise InvalidArgumentError(f"{fn}: {len(ids)} prompt_ids for {len(prompts)} prompts; expected one each")
     if seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
-    sample_ids = ids.repeat_interleave(G) * G + torch.arange(G).repeat(len(prompts))
-    sampler = SeededSampler(sample_keys(seed, sample_ids), prompt_length=prompt_tokens.shape[1],
-                            temperature=temperature, top_k=top_k, top_p=top_p, max_steps=max_new_tokens)
-    config = GenerationConfig(
-        do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
-        pad_token_id=pad_id, repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0,
+    G = num_generations
+    requests = [prompt for prompt in encoded for _ in range(G)]  # the G samples of a prompt, contiguous
+    engine = engine if engine is not None else HFEngine(model, pad_token_id=pad_id)
+    completions = engine.generate(requests, seeds=request_seeds(seed, ids, G), settings=settings)
+    if len(completions) != len(requests):
+        raise InvalidArgumentError(f"{fn}: {type(engine).__name__}.generate returned {len(completions)} "
+                                   f"completions for {len(requests)} requests; expected one each")
+    return completions_batch(completions, requests, pad_id=pad_id,
+                             device=next(inner.parameters()).device if inner is not None else None)
+
+
+def completions_batch(completions: Sequence[Completion], prompt_token_ids: Sequence[Sequence[int]], *,
+                      pad_id: int, device: torch.device | None = None) -> Batch:
+    """An engine's completions of B requests as a ``Batch``: prompts left-padded, completions
+    right-padded with ``pad_id``, ``mask`` True on each completion's tokens (the stop token
+    included), ``rollout_log_probs`` 0 off the mask, ``policy_version`` per row.
+
+    Args:
+        completions: B :class:`~torchforge.loop.engines.Completion`.
+        prompt_token_ids: the B prompts they answer.
+        pad_id: the padding id.
+        device: where the tensors go (default the CPU).
+
+    Returns:
+        A ``Batch`` as :func:`rollout` returns it.
+
+    Example:
+        >>> out = [Completion([5, 2], [-0.5, -0.25], False, 3), Completion([6], [-1.0], True, 3)]
+        >>> batch = completions_batch(out, [[8], [9, 8]], pad_id=0)
+        >>> batch.tokens.tolist(), batch.mask.tolist(), batch.policy_version.tolist()
+        ([[5, 2], [6, 0]], [[True, True], [True, False]], [3, 3])
+    """
+    B = len(completions)
+    T = max((len(c.token_ids) for c in completions), default=0)
+    tokens = torch.full((B, T), pad_id, dtype=torch.long)
+    log_probs = torch.zeros(B, T, dtype=torch.float32)
+    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.long)
+    for row, c in enumerate(completions):
+        if len(c.log_probs) != len(c.token_ids):
+            raise InvalidArgumentError(f"completions_batch: completion {row} has {len(c.token_ids)} tokens but "
+                                       f"{len(c.log_probs)} log_probs; expected one log-prob per token")
+        tokens[row, :len(c.token_ids)] = torch.as_tensor(c.token_ids, dtype=torch.long)
+        log_probs[row, :len(c.log_probs)] = torch.as_tensor(c.log_probs, dtype=torch.float32)
+    prompt_tokens, prompt_mask = left_pad(prompt_token_ids, pad_id)
+    batch = Batch(
+        tokens=tokens, mask=torch.arange(T)[None, :] < lengths[:, None], prompt_tokens=prompt_tokens,
+        prompt_mask=prompt_mask, truncated=torch.tensor([c.truncated for c in completions], dtype=torch.bool),
+        rollout_log_probs=log_probs, policy_version=torch.tensor([c.weights_version for c in completions],
+                                                                 dtype=torch.long),
+        batch_size=[B],
     )
-    was_training = inner.training
-    inner.eval()
-    try:
-        out = inner.generate(
-            input_ids=prompt_tokens, attention_mask=prompt_mask.long(), generation_config=config,
-            logits_processor=[sampler], **generation_kwargs(),
-        )
-    finally:
-        inner.train(was_training)
-    tokens = out[:, prompt_tokens.shape[1]:]
-    mask, truncated = completion_mask(tokens, stop_ids)
-    T = tokens.shape[1]
-    rollout_log_probs = torch.stack(sampler.log_probs[:T], dim=1) if T else torch.zeros(len(tokens), 0)
-    return Batch(
-        tokens=tokens, mask=mask, prompt_tokens=prompt_tokens, prompt_mask=prompt_mask,
-        truncated=truncated, rollout_log_probs=rollout_log_probs.masked_fill(~mask, 0.0),
-        batch_size=[tokens.shape[0]],
-    )
+    return batch.to(device) if device is not None else batch
 
 
 def decode_completions(tokenizer: Any, batch: Batch) -> tuple[list[str], list[list[int]]]:

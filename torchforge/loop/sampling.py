@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SeededSampler", "hash_uniform", "sample_keys"]
+__all__ = ["SeededSampler", "filter_logits", "hash_uniform", "sample_keys"]
 
 # splitmix64 constants, as signed int64 (torch has no uint64 arithmetic)
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
@@ -62,6 +62,38 @@ def sample_keys(seed: int, sample_ids: torch.Tensor) -> torch.Tensor:
     return _mix(sample_ids.to(torch.int64) * _GOLDEN + _mix(torch.tensor(seed, dtype=torch.int64)))
 
 
+def filter_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Top-k, then top-p filtering: the logits outside the kept set become -inf.
+
+    Keeps the ``top_k`` largest logits (0: all; ties with the k-th are kept), then the
+    smallest set of most likely tokens whose probability reaches ``top_p`` (a token is
+    dropped when the tokens before it already hold ``top_p`` of the mass; 1: all). This is
+    the distribution every engine samples from and reports log-probs under.
+
+    Args:
+        logits: [..., V] float logits (already divided by the temperature).
+        top_k: >= 0.
+        top_p: in (0, 1].
+
+    Returns:
+        [..., V] logits with -inf outside the kept set.
+
+    Example:
+        >>> filter_logits(torch.tensor([[3.0, 2.0, 1.0]]), top_k=2)
+        tensor([[3., 2., -inf]])
+    """
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens before it already hold top_p of the mass
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
 class SeededSampler:
     """A ``generate`` logits processor that samples by inverse CDF with hashed uniforms.
 
@@ -100,21 +132,9 @@ class SeededSampler:
         self.top_p = top_p
         self.log_probs: list[torch.Tensor] = []
 
-    def _filtered(self, logits: torch.Tensor) -> torch.Tensor:
-        if 0 < self.top_k < logits.shape[-1]:
-            kth = logits.topk(self.top_k, dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.top_p < 1.0:
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            probs = sorted_logits.softmax(-1)
-            # drop a token when the tokens before it already hold top_p of the mass
-            drop = probs.cumsum(-1) - probs >= self.top_p
-            logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-        return logits
-
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = input_ids.shape[1] - self.prompt_length
-        log_p = torch.log_softmax(self._filtered(scores.float() / self.temperature), dim=-1)
+        log_p = torch.log_softmax(filter_logits(scores.float() / self.temperature, top_k=self.top_k, top_p=self.top_p), dim=-1)
         cdf = log_p.exp().double().cumsum(-1)
         if self._uniforms is not None and step < self._uniforms.shape[1]:
             u = self._uniforms[:, step, None].to(scores.device)

@@ -27,6 +27,8 @@ Checks:
   claimed, masked == sliced, zero loss and gradient on an empty mask, no NaN leak.
 - :func:`check_aggregation_exact`: micro-batches summed and ranks averaged with global
   counts equal the one-process loss and gradient.
+- :func:`check_engine`: a generation engine's conformance (token ids round-trip, log-probs
+  of the processed distribution, per-request seeds, stop ids, weights pushed are used).
 
 Every check is deterministic (hypothesis ``derandomize=True``, no example database), so a
 failure reproduces on every run; ``max_examples`` trades time for thoroughness. Call the
@@ -51,6 +53,7 @@ from torchforge.testing.checks import (
     check_kl_estimator,
     check_policy_loss,
 )
+from torchforge.testing.engines import check_engine, reference_log_probs
 from torchforge.testing.strategies import batches, group_rewards, masks, policy_pairs
 
 __all__ = [
@@ -62,4 +65,6 @@ __all__ = [
     "check_advantage_estimator",
     "check_policy_loss",
     "check_aggregation_exact",
+    "check_engine",
+    "reference_log_probs",
 ]
