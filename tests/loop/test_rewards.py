@@ -101,3 +101,156 @@ def test_argument_errors():
         score_rewards([Length(), starts_with_one], prompts=PROMPTS, completions=COMPLETIONS, weights=[1.0])
     with pytest.raises(NotImplementedError, match="RewardFunction.compute is not implemented"):
         RewardFunction().compute(["a"], ["b"])
+
+
+# --- guarded reward functions: timeouts and worker processes ------------------------------
+
+import os
+import signal
+import time
+import warnings
+
+from torchforge.loop.rewards import GuardedReward, RewardWorkers, close_rewards, guard_rewards
+
+
+def grader(prompts, completions, **kwargs):
+    """A CPU grader that hangs on "hang", kills its own process on "kill" / "exit", raises on "raise"."""
+    out = []
+    for c in completions:
+        if c == "hang":
+            time.sleep(3600)
+        elif c == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif c == "exit":
+            os._exit(3)
+        elif c == "raise":
+            raise ValueError("cannot grade this")
+        out.append(float(len(c)))
+    return out
+
+
+@pytest.fixture
+def workers():
+    pool = RewardWorkers(2, preload=[__name__])
+    yield pool
+    pool.close()
+
+
+def _quiet(fn, **kwargs):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        return fn(**kwargs), [str(w.message) for w in caught]
+
+
+def test_a_hang_in_a_worker_costs_that_completion_only(workers):
+    guarded = GuardedReward(grader, timeout=1.0, workers=workers, failure_reward=-1.0)
+    start = time.monotonic()
+    values, messages = _quiet(guarded, prompts=["p"] * 3, completions=["ab", "hang", "abc"])
+    assert values == [2.0, -1.0, 3.0]
+    assert time.monotonic() - start < 30  # not stuck: the hanging worker was killed after 1 s
+    assert guarded.pop_failures() == {"timeouts": 1, "crashes": 0}
+    assert guarded.pop_failures() == {"timeouts": 0, "crashes": 0}  # popped
+    assert len(messages) == 1 and "'grader' timed out after 1 s on sample 1" in messages[0] and "'hang'" in messages[0]
+
+
+@pytest.mark.parametrize("completion, reason", [("kill", "killed by SIGKILL"), ("exit", "exit status 3")])
+def test_a_grader_that_kills_its_process_costs_that_completion_only(workers, completion, reason):
+    guarded = GuardedReward(grader, workers=workers, failure_reward=None)
+    values, messages = _quiet(guarded, prompts=["p"] * 3, completions=["a", completion, "abcd"])
+    assert values == [1.0, None, 4.0]
+    assert guarded.pop_failures() == {"timeouts": 0, "crashes": 1}
+    assert f"crashed ({reason}) on sample 1" in messages[0]
+    # the pool replaced the dead worker: the next call scores everything
+    assert guarded(prompts=["p"] * 2, completions=["xy", "z"]) == [2.0, 1.0]
+
+
+def test_failures_reach_score_rewards_as_the_failure_reward(workers):
+    guarded = GuardedReward(grader, timeout=1.0, workers=workers, failure_reward=None)
+    (total, parts), _ = _quiet(score_rewards, reward_functions=[guarded, Length()], prompts=["p"] * 2,
+                               completions=["ab", "exit"], weights=[1.0, 10.0])
+    assert math.isnan(parts["grader"][1]) and parts["grader"][0] == 2.0
+    assert total.tolist() == [22.0, 40.0]  # the failed grader is "not applicable" there
+
+
+def test_a_grader_that_raises_in_a_worker_still_stops_with_the_sample_named(workers):
+    guarded = GuardedReward(grader, workers=workers)
+    with pytest.raises(RewardError, match=r"'grader' raised ValueError: cannot grade this on sample 1 "
+                                          r"\(prompt 'q', completion 'raise'\)") as info:
+        guarded(prompts=["q", "q"], completions=["a", "raise"])
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_a_timeout_without_workers_abandons_the_call_and_fails_its_completions():
+    guarded = GuardedReward(grader, timeout=0.5, failure_reward=0.0)
+    start = time.monotonic()
+    values, messages = _quiet(guarded, prompts=["p"] * 2, completions=["ab", "hang"])
+    assert values == [0.0, 0.0] and time.monotonic() - start < 10
+    assert guarded.pop_failures() == {"timeouts": 2, "crashes": 0}
+    assert "a call on 2 samples" in messages[0]
+    assert guarded(prompts=["p"], completions=["abc"]) == [3.0]  # a call within the limit keeps its scores
+    with pytest.raises(ValueError, match="cannot grade this"):  # raising is still raising
+        guarded(prompts=["p"], completions=["raise"])
+
+
+def test_guard_rewards_leaves_the_default_path_and_in_process_functions_alone():
+    class Model(Length):
+        in_process = True
+
+    length, model = Length(), Model()
+    assert guard_rewards([length, model]) == [length, model]  # no timeout, no workers: the same objects
+    guarded = guard_rewards([length, model], timeout=5.0, processes=1)
+    assert isinstance(guarded[0], GuardedReward) and guarded[1] is model
+    assert guarded[0].name == "Length" and guarded[0].weight == 1.0
+    close_rewards(guarded)
+
+
+def test_guard_rewards_refuses_what_cannot_reach_a_worker():
+    with pytest.raises(InvalidArgumentError, match=r"guard_rewards: reward function '<lambda>' cannot be sent to a "
+                                                   r"worker process .*expected a module-level function"):
+        guard_rewards([lambda prompts, completions, **kw: [0.0]], processes=1)
+    with pytest.raises(InvalidArgumentError, match=r"guard_rewards: processes=-1; expected an int >= 0"):
+        guard_rewards([grader], processes=-1)
+    with pytest.raises(InvalidArgumentError, match=r"GuardedReward: timeout=0; expected a number of seconds > 0"):
+        GuardedReward(grader, timeout=0)
+    with pytest.raises(InvalidArgumentError, match=r"GuardedReward: failure_reward=nan; expected a finite number"):
+        GuardedReward(grader, failure_reward=math.nan)
+    with pytest.raises(InvalidArgumentError, match=r"RewardWorkers: processes=0; expected an int >= 1"):
+        RewardWorkers(0)
+
+
+def test_math_accuracy_grades_in_a_worker(workers):
+    from torchforge.rewards import MathAccuracy
+
+    guarded = GuardedReward(MathAccuracy(), timeout=60.0, workers=workers)
+    assert guarded(prompts=["q"] * 2, completions=["\\boxed{0.5}", "\\boxed{2}"], answer=["\\frac{1}{2}"] * 2) == [1.0, 0.0]
+
+
+def hangs_where_asked(prompts, completions, hang, **kwargs):
+    """Hangs on the completions of rows with ``hang`` set; 1.0 elsewhere."""
+    if any(hang):
+        time.sleep(3600)
+    return [1.0] * len(completions)
+
+
+def test_the_trainer_logs_failures_and_keeps_training(tmp_path):
+    from torchforge import RLConfig, RLTrainer
+    from torchforge.trainer.demo import char_tokenizer, tiny_llama
+
+    config = RLConfig(max_steps=2, num_generations=2, prompts_per_step=2, max_completion_length=3, kl_coef=0.0,
+                      mixed_precision="fp32", gradient_checkpointing=False, progress_bar=False,
+                      output_dir=str(tmp_path / "run"), reward_timeout=1.0, reward_processes=2,
+                      reward_on_failure=-1.0)
+    tokenizer = char_tokenizer()
+    # two rows, both drawn every step: the "hang" row's two completions time out, the other's score 1
+    data = [{"prompt": "123=", "target": "123", "hang": True}, {"prompt": "456=", "target": "456", "hang": False}]
+    trainer = RLTrainer(model=tiny_llama(tokenizer), tokenizer=tokenizer, config=config,
+                        reward_functions=[hangs_where_asked, CopyDigitsReward()], train_dataset=data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        summary = trainer.train()
+    rows = trainer.history
+    assert summary["steps"] == 2
+    assert [r["rewards/hangs_where_asked/timeouts"] for r in rows] == [2.0, 2.0]
+    assert [r["rewards/hangs_where_asked/crashes"] for r in rows] == [0.0, 0.0]
+    assert [r["rewards/copy_digits/timeouts"] for r in rows] == [0.0, 0.0]  # guarded too, never failed
+    assert [r["rewards/hangs_where_asked/mean"] for r in rows] == [0.0, 0.0]  # (-1 -1 +1 +1) / 4

@@ -13,6 +13,7 @@ Both read the reference answer from a dataset column (``answer`` by default), wh
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -210,8 +211,21 @@ class MathAccuracy(RewardFunction):
         self._mv = math_verify
         self.answer_key, self.timeout_seconds = answer_key, timeout_seconds
 
+    def __getstate__(self) -> dict[str, Any]:  # picklable (worker processes): the module is imported again
+        return {k: v for k, v in self.__dict__.items() if k != "_mv"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        import math_verify
+
+        self.__dict__.update(state, _mv=math_verify)
+
+    def _timeout(self) -> int | None:
+        """math-verify's limit, in the main thread only: ``signal.alarm`` cannot be set from another
+        (there ``GuardedReward``'s timeout is the limit)."""
+        return self.timeout_seconds or None if threading.current_thread() is threading.main_thread() else None
+
     def _parse(self, text: str) -> list:
-        mv, timeout = self._mv, self.timeout_seconds or None
+        mv, timeout = self._mv, self._timeout()
         configs = [mv.LatexExtractionConfig(), mv.ExprExtractionConfig()]
         # bare text parses unreliably ("1+x" reads as 1): as math first, unless it is already delimited
         candidates = (text,) if "$" in text or "\\(" in text or "\\[" in text else (f"${text}$", text)
@@ -248,7 +262,7 @@ class MathAccuracy(RewardFunction):
                 continue
             answer = extract_answer(completion)
             parsed = self._parse(answer) if answer else []
-            ok = bool(parsed) and self._mv.verify(gold, parsed, timeout_seconds=self.timeout_seconds or None)
+            ok = bool(parsed) and self._mv.verify(gold, parsed, timeout_seconds=self._timeout())
             out.append(float(ok))
         return out
 

@@ -160,6 +160,7 @@ class _LocatedReward:
         self.fn, self.path = fn, path
         self.name = reward_name(fn)
         self.weight = float(getattr(fn, "weight", 1.0))
+        self.in_process = bool(getattr(fn, "in_process", False))  # reward models stay out of worker processes
 
     def __call__(self, *, prompts: Sequence[str], completions: Sequence[str], **columns: Any):
         try:

@@ -14,6 +14,7 @@ from torchforge.errors import InvalidArgumentError
 from torchforge.kl import KL_ESTIMATORS, KL_GRADIENTS
 from torchforge.reduce import AGGREGATION_MODES
 from torchforge.trainer.lora import check_lora_settings
+from torchforge.trainer.tracking import check_report_to
 
 __all__ = ["RLConfig", "ALGORITHMS", "LR_SCHEDULERS", "REINFORCE_BASELINES", "POLICY_LOSSES",
            "ROLLOUT_CORRECTIONS", "REWARD_AGGREGATIONS"]
@@ -159,6 +160,22 @@ class RLConfig:
             tokens); None: no limit but ``max_turns``.
         step_timeout: seconds an environment's ``step`` may take before its episode ends
             (faulted); None waits forever.
+        reward_timeout: seconds a reward function's call may take (per completion with
+            ``reward_processes``); past it the completions get ``reward_on_failure`` and
+            ``rewards/<name>/timeouts`` counts them. None: no limit (the default path,
+            unchanged). Reward models and judges (``in_process``) are never timed out.
+        reward_processes: > 0: the reward functions (not reward models or judges) score each
+            completion alone in a pool of that many worker processes (per training process),
+            so a grader that hangs or crashes (segfault, ``os._exit``) on one completion costs
+            that completion ``reward_on_failure`` (``rewards/<name>/crashes``), not the run.
+            The functions must pickle (module-level). 0: in the training process.
+        reward_on_failure: the reward of a completion whose reward call timed out or crashed;
+            None: "not applicable" (left out of the group statistics).
+        report_to: where metrics go besides ``metrics.jsonl`` (TRL's key): a list of
+            ``"tensorboard"`` (default), ``"wandb"`` (``torchforge[wandb]``), ``"trackio"``
+            (``torchforge[trackio]``), or one name, or ``"none"``. The trackers get the run's
+            config and every logged metric; a resumed run continues the same tracker run.
+        run_name: the run's name in wandb / trackio; None: the ``output_dir`` folder's name.
 
     Returns:
         The validated config; ``InvalidArgumentError`` names the first bad field.
@@ -242,6 +259,11 @@ class RLConfig:
     max_turns: int = 1
     max_total_tokens: int | None = None
     step_timeout: float | None = 60.0
+    reward_timeout: float | None = None
+    reward_processes: int = 0
+    reward_on_failure: float | None = 0.0
+    report_to: list[str] | str = dataclasses.field(default_factory=lambda: ["tensorboard"])
+    run_name: str | None = None
 
     def __post_init__(self) -> None:
         fn = "RLConfig"
@@ -337,6 +359,13 @@ class RLConfig:
         in_range("weight_decay", 0, float("inf"), finite=True)
         in_range("num_train_epochs", 0, float("inf"), open_low=True)
         in_range("step_timeout", 0, float("inf"), optional=True, open_low=True)
+        in_range("reward_timeout", 0, float("inf"), optional=True, open_low=True, finite=True)
+        if isinstance(self.reward_processes, bool) or not isinstance(self.reward_processes, int) or self.reward_processes < 0:
+            raise bad("reward_processes", "an int >= 0 (0: reward functions run in the training process)")
+        in_range("reward_on_failure", float("-inf"), float("inf"), optional=True, finite=True)
+        self.report_to = check_report_to(self.report_to)
+        if self.run_name is not None and not (isinstance(self.run_name, str) and self.run_name):
+            raise bad("run_name", "a non-empty string or None")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", "an int >= 0 (0 disables top-k)")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:

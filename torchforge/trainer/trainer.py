@@ -65,7 +65,7 @@ from torchforge.loop import (
     rollout,
     rollout_log_prob_gap,
 )
-from torchforge.loop.rewards import score_rewards
+from torchforge.loop.rewards import GuardedReward, close_rewards, guard_rewards, reward_keys, score_rewards
 from torchforge.loop.update import metric_reduction
 from torchforge.reduce import Aggregation, masked_mean, masked_var
 from torchforge.trainer import episodes
@@ -79,7 +79,7 @@ from torchforge.trainer.lora import (
     shard_lora,
 )
 from torchforge.trainer.run_dir import RunInterrupted, StopOnInterrupt, earlier_run
-from torchforge.trainer.tracking import MetricsLogger
+from torchforge.trainer.tracking import MetricsLogger, check_tracker_packages
 
 __all__ = ["RLTrainer"]
 
@@ -212,6 +212,7 @@ class RLTrainer:
         self.config = _checked_config(config)
         self.output_dir = Path(self.config.output_dir)
         self._check_new_run()
+        check_tracker_packages(self.config.report_to)  # a missing wandb / trackio: one line, before any model
         self.eval_dataset = eval_dataset
         self.peft_config = peft_config if peft_config is not None else self.config.lora
         if environment_factory is not None and self.config.dynamic_sampling:
@@ -270,7 +271,9 @@ class RLTrainer:
                 f"{fn}: train_dataset rows have fields {sorted(train_dataset[0])}; expected a 'prompt' field"
             )
         self.tokenizer = tokenizer
-        self.reward_functions = list(reward_functions or [])
+        # reward_timeout / reward_processes: graders that hang or crash cost a completion, not the run
+        self.reward_functions = guard_rewards(list(reward_functions or []), timeout=config.reward_timeout,
+                                              processes=config.reward_processes, failure_reward=config.reward_on_failure)
         self.train_dataset = train_dataset
         self.stop_ids = completion_stop_ids(tokenizer, model, config.stop_token_ids)
         return model
@@ -413,6 +416,7 @@ class RLTrainer:
             name -> float.
         """
         start = time.perf_counter()
+        self._reward_failures(reduce=False)  # count this step's failures only (not an evaluation's before it)
         batch, prompts, rows = self._rollout(step)
         per_function = self._score(batch, prompts, rows)
         sampling = {}
@@ -426,7 +430,15 @@ class RLTrainer:
                                 time.perf_counter() - start)
         self.scheduler.step()  # the schedule counts steps, whatever num_iterations makes of each
         self._after_update(step, metrics)
-        return {**metrics, **sampling}
+        return {**metrics, **sampling, **self._reward_failures()}
+
+    def _reward_failures(self, *, reduce: bool = True) -> dict[str, float]:
+        """``rewards/<name>/timeouts`` and ``/crashes``: completions of guarded reward functions
+        whose call timed out or crashed since the last call, summed over processes (with ``reduce``)."""
+        counts = {f"rewards/{key}/{kind}": torch.tensor(float(n))
+                  for key, f in zip(reward_keys(self.reward_functions), self.reward_functions)
+                  if isinstance(f, GuardedReward) for kind, n in f.pop_failures().items()}
+        return {k: float(v) for k, v in reduce_metric_sums(counts).items()} if reduce else {}
 
     def _dynamic_sampling(self, step: int, batch: Batch, per_function: dict[str, torch.Tensor]
                           ) -> tuple[Batch, dict[str, torch.Tensor], dict[str, float]]:
@@ -758,7 +770,8 @@ class RLTrainer:
             (self.output_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         start = self.step = self.resume() if cfg.resume else 0
         logger = MetricsLogger(self.output_dir, total_steps=self.total_steps, initial_step=start,
-                               enabled=is_main_process(), progress_bar=cfg.progress_bar)
+                               enabled=is_main_process(), progress_bar=cfg.progress_bar, report_to=cfg.report_to,
+                               run_config=cfg.to_dict(), run_name=cfg.run_name)
         last_saved = None
         interrupt = StopOnInterrupt()  # the first Ctrl-C stops after the current step
         try:
@@ -779,6 +792,7 @@ class RLTrainer:
         finally:
             logger.close()
             interrupt.close()
+            close_rewards(self.reward_functions)  # reward worker processes (they restart if used again)
         if last_saved is None or self.step != int(last_saved.name.split("-")[1]):
             last_saved = self.save(self.step)
         final = self.output_dir / "final"
