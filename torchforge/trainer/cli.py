@@ -387,6 +387,9 @@ def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
             f"distributed_strategy='none' with {num_processes} processes would train one unsynchronized copy of "
             "the model per process; expected 'fsdp' or 'ddp'"
         )
+    from torchforge.trainer.tracking import check_tracker_packages
+
+    check_tracker_packages(run.config.report_to)  # report_to: wandb without wandb installed, before any model
     check_writable(run.config.output_dir)
     return run
 
