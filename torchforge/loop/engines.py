@@ -32,7 +32,8 @@ from torchforge.distributed import generation_kwargs, unwrap_model
 from torchforge.errors import InvalidArgumentError
 from torchforge.loop.sampling import SeededSampler, sample_keys
 
-__all__ = ["SamplingSettings", "Completion", "GenerationEngine", "HFEngine", "request_seeds", "ENGINES"]
+__all__ = ["SamplingSettings", "Completion", "GenerationEngine", "HFEngine", "request_seeds", "make_engine",
+           "check_engine_settings", "ENGINES"]
 
 #: the engines ``RLConfig(engine=...)`` names
 ENGINES = ("hf", "vllm", "vllm-server")
@@ -262,3 +263,94 @@ class HFEngine:
                 own[name].copy_(tensor)
         self.weights_version = int(version)
 
+
+
+def _engine_class(name: str) -> type:
+    from torchforge.loop.vllm_engine import VLLMEngine, VLLMServerEngine
+
+    return {"vllm": VLLMEngine, "vllm-server": VLLMServerEngine}[name]
+
+
+def check_engine_settings(engine: str, engine_args: dict[str, Any] | None) -> dict[str, Any]:
+    """Check ``RLConfig.engine`` / ``engine_args`` before any model loads: the engine's name,
+    that vLLM is installed for a vLLM engine, and every argument's name.
+
+    Args:
+        engine: one of :data:`ENGINES`.
+        engine_args: the engine's keyword arguments, or None.
+
+    Returns:
+        ``engine_args`` as a dict ({} for None).
+
+    Example:
+        >>> check_engine_settings("hf", None)
+        {}
+    """
+    import dataclasses
+    import importlib.util
+    import inspect
+
+    fn = "RLConfig"
+    if engine not in ENGINES:
+        raise InvalidArgumentError(f"{fn}: engine={engine!r}; expected one of {list(ENGINES)}")
+    if engine_args is None:
+        engine_args = {}
+    if not isinstance(engine_args, dict) or not all(isinstance(k, str) for k in engine_args):
+        raise InvalidArgumentError(f"{fn}: engine_args is {engine_args!r}; expected a mapping of argument names to values")
+    if engine == "hf":
+        if engine_args:
+            raise InvalidArgumentError(f"{fn}: engine_args {sorted(engine_args)} with engine='hf', which takes none; "
+                                       "expected engine='vllm' or 'vllm-server', or no engine_args")
+        return {}
+    from torchforge.loop.vllm_engine import VLLM_INSTALL
+
+    if importlib.util.find_spec("vllm") is None:
+        raise InvalidArgumentError(f"{fn}: engine={engine!r} needs vLLM, which is not installed; install it with {VLLM_INSTALL}")
+    cls = _engine_class(engine)
+    own = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "model", "llm_args")]
+    known = set(own)
+    if engine == "vllm":  # the rest goes to vllm.LLM, whose settings are EngineArgs' fields
+        from vllm.engine.arg_utils import EngineArgs
+
+        known |= {field.name for field in dataclasses.fields(EngineArgs)}
+    unknown = sorted(set(engine_args) - known)
+    if unknown:
+        raise InvalidArgumentError(f"{fn}: engine_args has {unknown}, which engine={engine!r} does not take; "
+                                   f"expected some of {sorted(own)}" + (" or a vllm.LLM argument" if engine == "vllm" else ""))
+    if engine == "vllm" and "url" in engine_args:
+        raise InvalidArgumentError(f"{fn}: engine_args has 'url' with engine='vllm'; a server is engine='vllm-server'")
+    return dict(engine_args)
+
+
+def make_engine(engine: str, model: nn.Module, tokenizer: Any, *, engine_args: dict[str, Any] | None = None,
+                weights: Iterable[tuple[str, torch.Tensor]] | None = None, pad_token_id: int | None = None) -> GenerationEngine:
+    """The engine ``RLConfig(engine=..., engine_args=...)`` names, over ``model`` (every process calls this).
+
+    Args:
+        engine: "hf", "vllm" or "vllm-server".
+        model: the policy being trained (plain, DDP, FSDP2).
+        tokenizer: its tokenizer.
+        engine_args: the engine's arguments (:func:`check_engine_settings`).
+        weights: the ``(name, tensor)`` pairs a vLLM engine starts with (default the
+            model's full weights; a LoRA model's merged ones).
+        pad_token_id: the padding id of :class:`HFEngine`.
+
+    Returns:
+        A :class:`GenerationEngine` at ``weights_version`` 0; "hf" samples with ``model`` itself.
+
+    Example:
+        >>> from torchforge.trainer.demo import char_tokenizer, tiny_llama
+        >>> type(make_engine("hf", tiny_llama(char_tokenizer()), char_tokenizer())).__name__
+        'HFEngine'
+    """
+    args = check_engine_settings(engine, engine_args)
+    if engine == "hf":
+        return HFEngine(model, pad_token_id=pad_token_id)
+    cls = _engine_class(engine)
+    if engine == "vllm-server" and "url" in args:  # a running server: load this model's weights into it
+        server = cls(**args)
+        from torchforge.distributed import full_weights
+
+        server.update_weights(weights if weights is not None else full_weights(model), version=0)
+        return server
+    return cls.from_model(model, tokenizer, weights=weights, **args)

@@ -44,6 +44,7 @@ from torch import nn
 from torchforge.batch import Batch
 from torchforge.distributed import is_distributed, unwrap_model
 from torchforge.errors import InvalidArgumentError, TorchforgeError
+from torchforge.loop.engines import GenerationEngine
 from torchforge.loop.rollout import completion_stop_ids, rollout
 from torchforge.loop.sampling import sample_keys
 
@@ -253,6 +254,7 @@ class _Episode:
         self.turn_ends: list[int] = []             # the last model token of each turn
         self.turn_rewards: list[float] = []
         self.env_seconds: list[float] = []
+        self.version: int | None = None            # the oldest weights version of its turns
         self.live = True
         self.truncated = False
         self.faulted = False
@@ -443,6 +445,7 @@ def rollout_episodes(
     stop_token_ids: Sequence[int] | None = None,
     seed: int | None = None,
     episode_ids: Sequence[int] | None = None,
+    engine: GenerationEngine | None = None,
 ) -> tuple[Batch, Episodes]:
     """Play B = N * G multi-turn episodes, one batched generation per turn -> a training Batch.
 
@@ -484,6 +487,7 @@ def rollout_episodes(
         fault_reward: the reward of a turn whose ``step`` raised, timed out or returned bad values.
         gamma: the per-turn discount of ``Episodes.returns``.
         temperature, top_p, top_k: sampling, as in :func:`torchforge.loop.rollout`.
+        engine: the generation engine of every turn (default Hugging Face ``generate`` on ``model``).
         stop_token_ids: ids that end a model turn; default :func:`completion_stop_ids`.
         seed: the sampling seed; default drawn from torch's global RNG.
         episode_ids: N global ids of the rows (default 0..N-1): episode ``(i, g)`` gets the
@@ -567,15 +571,18 @@ def rollout_episodes(
         contexts = [episodes[b].prompt + episodes[b].tokens for b in live] or [[pad_id]]
         sample = rollout(model, tokenizer, contexts, num_generations=1, max_new_tokens=max_new,
                          temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_ids,
-                         seed=_turn_seed(seed, turn), prompt_ids=[global_ids[b] for b in live] or [0])
+                         seed=_turn_seed(seed, turn), prompt_ids=[global_ids[b] for b in live] or [0],
+                         engine=engine)
         lengths = sample.mask.sum(-1).tolist()
         tokens, log_probs = sample.tokens.tolist(), sample.rollout_log_probs.float().tolist()
+        versions = sample.policy_version.tolist()
         actions, cut = {}, {}
         for i, b in enumerate(live):
             ep = episodes[b]
             n = min(lengths[i], room[i])
             cut[b] = lengths[i] > room[i]
             action = tokens[i][:n]
+            ep.version = versions[i] if ep.version is None else min(ep.version, versions[i])
             ep.tokens += action
             ep.is_model += [True] * n
             ep.log_probs += log_probs[i][:n]
@@ -649,7 +656,8 @@ def _to_batch(episodes: list[_Episode], pad_id: int, gamma: float) -> tuple[Batc
     batch = Batch(
         tokens=tokens, mask=mask, rollout_log_probs=log_probs, rewards=torch.tensor(rewards, dtype=torch.float32),
         prompt_tokens=prompt_tokens, prompt_mask=prompt_mask,
-        truncated=torch.tensor([ep.truncated for ep in episodes], dtype=torch.bool), batch_size=[B],
+        truncated=torch.tensor([ep.truncated for ep in episodes], dtype=torch.bool),
+        policy_version=torch.tensor([ep.version or 0 for ep in episodes], dtype=torch.long), batch_size=[B],
     )
     record = Episodes(
         turns=torch.tensor([len(ep.turn_ends) for ep in episodes], dtype=torch.long),

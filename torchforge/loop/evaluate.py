@@ -29,6 +29,7 @@ from torchforge.distributed import rank as process_rank
 from torchforge.distributed import reduce_metric_sums, world_size
 from torchforge.errors import InvalidArgumentError
 from torchforge.loop.rewards import score_rewards
+from torchforge.loop.engines import GenerationEngine
 from torchforge.loop.rollout import decode_completions, rollout
 
 __all__ = ["evaluate", "pass_at_k"]
@@ -111,6 +112,7 @@ def evaluate(
     seed: int = 0,
     batch_size: int | None = None,
     shard: bool = True,
+    engine: GenerationEngine | None = None,
 ) -> dict[str, float]:
     """Sample and score completions of ``prompts``; mean reward, pass@1 and pass@k.
 
@@ -144,6 +146,8 @@ def evaluate(
         seed: the sampling seed; prompt ``i`` gets the same samples on any number of processes.
         batch_size: prompts per ``generate`` call (default: all of this process's at once).
         shard: split the prompts over processes (False: this process's prompts are given).
+        engine: the generation engine (:mod:`torchforge.loop.engines`); default Hugging Face
+            ``generate`` on ``model``.
 
     Returns:
         name -> float, the same on every process: ``eval/reward``, ``eval/pass@1``,
@@ -199,7 +203,8 @@ def evaluate(
             modes.append(("greedy", 1, {"temperature": 1.0, "top_p": 1.0, "top_k": 1}))
         for mode, G, sampling in modes:
             batch = rollout(model, tokenizer, chunk_prompts, num_generations=G, max_new_tokens=max_new_tokens,
-                            stop_token_ids=stop_token_ids, seed=seed, prompt_ids=chunk, **sampling)
+                            stop_token_ids=stop_token_ids, seed=seed, prompt_ids=chunk, engine=engine,
+                            **sampling)
             completions, completion_ids = decode_completions(tokenizer, batch)
             rewards, _ = score_rewards(
                 reward_functions, prompts=[p for p in chunk_prompts for _ in range(G)], completions=completions,

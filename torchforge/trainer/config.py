@@ -12,6 +12,7 @@ from torchforge.corrections import CORRECTION_LEVELS
 from torchforge.distributed.parallelize import MIXED_PRECISIONS, STRATEGIES
 from torchforge.errors import InvalidArgumentError
 from torchforge.kl import KL_ESTIMATORS, KL_GRADIENTS
+from torchforge.loop.engines import check_engine_settings
 from torchforge.reduce import AGGREGATION_MODES
 from torchforge.trainer.lora import check_lora_settings
 from torchforge.trainer.tracking import check_report_to
@@ -160,6 +161,17 @@ class RLConfig:
             tokens); None: no limit but ``max_turns``.
         step_timeout: seconds an environment's ``step`` may take before its episode ends
             (faulted); None waits forever.
+        engine: what samples the completions (``torchforge.loop.engines``): "hf" (Hugging
+            Face ``generate`` with the seeded sampler, on the trained weights themselves),
+            "vllm" (vLLM in this process; ``torchforge[vllm]``) or "vllm-server" (a ``vllm
+            serve`` process: started here, or ``engine_args: {url: ...}``).
+        engine_args: keyword arguments of the engine (``VLLMEngine`` / ``VLLMServerEngine``:
+            ``dtype``, ``max_model_len``, ``gpu_memory_utilization``, ``kv_cache_memory_bytes``,
+            ``enforce_eager``, ``url``, ... and any ``vllm.LLM`` argument); checked before the
+            model loads.
+        engine_sync_steps: push the trained weights into the engine every N steps (1: after
+            every step, on-policy); 0: never (only to measure what stale weights cost: the
+            ``rollout/*`` gap grows). Ignored by "hf", which samples with the trained weights.
         reward_timeout: seconds a reward function's call may take (per completion with
             ``reward_processes``); past it the completions get ``reward_on_failure`` and
             ``rewards/<name>/timeouts`` counts them. None: no limit (the default path,
@@ -259,6 +271,9 @@ class RLConfig:
     max_turns: int = 1
     max_total_tokens: int | None = None
     step_timeout: float | None = 60.0
+    engine: str = "hf"
+    engine_args: dict[str, Any] | None = None
+    engine_sync_steps: int = 1
     reward_timeout: float | None = None
     reward_processes: int = 0
     reward_on_failure: float | None = 0.0
@@ -329,6 +344,9 @@ class RLConfig:
         positive_int("num_eval_generations")
         in_range("eval_correct_threshold", float("-inf"), float("inf"))
         self.lora = check_lora_settings(self.lora)
+        self.engine_args = check_engine_settings(self.engine, self.engine_args)
+        if isinstance(self.engine_sync_steps, bool) or not isinstance(self.engine_sync_steps, int) or self.engine_sync_steps < 0:
+            raise bad("engine_sync_steps", "an int >= 0 (1: sync after every step; 0: never)")
         for name in ("num_generations", "max_completion_length", "prompts_per_step", "num_iterations",
                      "logging_steps", "max_turns"):
             positive_int(name)

@@ -51,7 +51,7 @@ def rollout_step(trainer: Any, rows: list[dict[str, Any]], ids: list[int]) -> tu
             trainer.model, trainer.tokenizer, envs, rows=rows, num_generations=G, max_turns=cfg.max_turns,
             max_new_tokens_per_turn=cfg.max_completion_length, max_total_tokens=cfg.max_total_tokens or NO_LIMIT,
             step_timeout=cfg.step_timeout, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            stop_token_ids=trainer.stop_ids, seed=cfg.seed, episode_ids=ids,
+            stop_token_ids=trainer.stop_ids, seed=cfg.seed, episode_ids=ids, engine=trainer.engine,
         )
     trainer.environment_weight = float(getattr(envs[0], "reward_weight", 1.0))
     prompts = [row.get("prompt") for row in rows]

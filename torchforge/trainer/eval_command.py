@@ -39,8 +39,8 @@ def render_prompt(tokenizer: Any, prompt: Any) -> str:
 
 
 def evaluate_dataset(model: Any, tokenizer: Any, dataset: Any, reward_functions: Sequence[Callable], config: Any, *,
-                     render: Callable[[Any], str] | None = None, stop_token_ids: Sequence[int] | None = None
-                     ) -> dict[str, float]:
+                     render: Callable[[Any], str] | None = None, stop_token_ids: Sequence[int] | None = None,
+                     engine: Any = None) -> dict[str, float]:
     """:func:`torchforge.loop.evaluate` over a dataset's rows with an ``RLConfig``'s settings.
 
     Args:
@@ -52,6 +52,7 @@ def evaluate_dataset(model: Any, tokenizer: Any, dataset: Any, reward_functions:
             ``max_completion_length``, sampling settings, ``reward_weights``, ``seed``).
         render: prompt -> text (default: :func:`render_prompt` with ``tokenizer``).
         stop_token_ids: ids that end a completion (default the config's and eos).
+        engine: the generation engine (default Hugging Face ``generate`` on ``model``).
 
     Returns:
         The ``eval/...`` metrics, the same on every process.
@@ -69,6 +70,7 @@ def evaluate_dataset(model: Any, tokenizer: Any, dataset: Any, reward_functions:
         columns=columns, weights=config.reward_weights, correct_threshold=config.eval_correct_threshold,
         temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
         stop_token_ids=stop_token_ids or completion_stop_ids(tokenizer, model, config.stop_token_ids), seed=config.seed,
+        engine=engine,
     )
 
 

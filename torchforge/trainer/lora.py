@@ -41,6 +41,7 @@ __all__ = [
     "apply_lora_to_module",
     "check_lora_settings",
     "export_merged",
+    "merged_weights",
     "is_adapter_folder",
     "is_peft_model",
     "load_adapter_model",
@@ -358,6 +359,59 @@ def export_merged(model: nn.Module, tokenizer: Any, path: str | os.PathLike) -> 
         if tokenizer is not None:
             tokenizer.save_pretrained(str(path))
     barrier()
+
+
+def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A LoRA model's weights as a plain model's, adapters merged: what a generation engine loads.
+
+    For each adapted linear layer ``W = W0 + scaling * B @ A`` (transposed for
+    ``fan_in_fan_out`` layers such as GPT-2's Conv1D), computed from the full tensors of
+    :func:`torchforge.distributed.full_weights` (so DDP and FSDP2 work: every rank consumes
+    the iterator), named as in the base model (``base_model.model.`` and ``.base_layer``
+    removed); the other parameters pass through. The trained model is not touched (no
+    ``merge_adapter`` / ``unmerge_adapter``, whose round trip is not exact in floating point).
+
+    Args:
+        model: a peft ``PeftModel`` with one active LoRA adapter (plain, DDP or FSDP2).
+
+    Returns:
+        An iterator of ``(name, tensor)`` pairs.
+
+    Example:
+        >>> weights = dict(merged_weights(policy))  # doctest: +SKIP
+    """
+    from torchforge.distributed import full_weights, unwrap_model
+
+    inner = unwrap_model(model)
+    if not is_peft_model(inner):
+        raise InvalidArgumentError(f"merged_weights: model is a {type(inner).__name__}; expected a peft PeftModel")
+    adapter = inner.active_adapter
+    held: dict[str, dict[str, torch.Tensor]] = {}  # layer -> its base weight and A until B arrives
+    for name, tensor in full_weights(model):
+        plain = name.removeprefix("base_model.model.")
+        if ".lora_" not in plain and ".base_layer." not in plain:
+            yield plain, tensor
+            continue
+        layer = plain.split(".lora_")[0] if ".lora_" in plain else plain.split(".base_layer.")[0]
+        if plain.endswith(".base_layer.bias"):
+            yield f"{layer}.bias", tensor
+            continue
+        if ".lora_" in plain and f".{adapter}." not in plain:
+            continue  # an inactive adapter
+        part = "weight" if plain.endswith(".base_layer.weight") else ("A" if ".lora_A." in plain else "B")
+        held.setdefault(layer, {})[part] = tensor
+        if len(held[layer]) == 3:
+            parts = held.pop(layer)
+            module = inner.get_submodule(f"base_model.model.{layer}")
+            if getattr(module, "use_dora", {}).get(adapter, False):
+                raise InvalidArgumentError(f"merged_weights: {layer} uses DoRA; expected plain LoRA adapters")
+            delta = (parts["B"].float() @ parts["A"].float()) * module.scaling[adapter]
+            if getattr(module, "fan_in_fan_out", False):
+                delta = delta.T
+            yield f"{layer}.weight", (parts["weight"].float() + delta).to(parts["weight"].dtype)
+    if held:
+        raise InvalidArgumentError(f"merged_weights: {sorted(held)[:3]} have a LoRA part without the others; "
+                                   "expected base_layer, lora_A and lora_B for each adapted layer")
 
 
 def is_adapter_folder(path: str | os.PathLike) -> bool:

@@ -39,6 +39,7 @@ from torchforge.distributed import (
     DistributedConfig,
     barrier,
     export_pretrained,
+    full_weights,
     gather_over_ranks,
     init_distributed,
     is_main_process,
@@ -66,6 +67,7 @@ from torchforge.loop import (
     rollout_log_prob_gap,
 )
 from torchforge.loop.rewards import GuardedReward, close_rewards, guard_rewards, reward_keys, score_rewards
+from torchforge.loop.engines import HFEngine, make_engine
 from torchforge.loop.update import metric_reduction
 from torchforge.reduce import Aggregation, masked_mean, masked_var
 from torchforge.trainer import episodes
@@ -76,6 +78,7 @@ from torchforge.trainer.lora import (
     apply_lora,
     apply_lora_to_module,
     export_merged,
+    merged_weights,
     shard_lora,
 )
 from torchforge.trainer.run_dir import RunInterrupted, StopOnInterrupt, earlier_run
@@ -141,7 +144,7 @@ def _cat_padded(batches: list[Batch], pad_id: int) -> Batch:
         return batches[0]
     fields = {}
     for key in ("tokens", "mask", "log_probs", "old_log_probs", "ref_log_probs", "rollout_log_probs",
-                "prompt_tokens", "prompt_mask", "rewards", "truncated", "advantages"):
+                "prompt_tokens", "prompt_mask", "rewards", "truncated", "advantages", "policy_version"):
         values = [b.get(key) for b in batches]
         if values[0] is None:
             continue
@@ -230,6 +233,7 @@ class RLTrainer:
         self.algorithm = self._build_algorithm(algorithm)
         self._build_models(model)
         self._build_optimizer()
+        self._build_engine()
         self.step = 0
         self.history: list[dict[str, float]] = []
         self._order_cache: tuple[int, torch.Tensor] | None = None
@@ -256,7 +260,8 @@ class RLTrainer:
             if tokenizer is not None:
                 raise InvalidArgumentError(f"{fn}: a tokenizer was given without a model; pass both, or neither for the demo")
             tokenizer = demo.char_tokenizer()
-            model = demo.tiny_llama(tokenizer, seed=config.seed)
+            # vLLM's CPU attention needs heads of >= 32 dims: the demo's 4 heads of 16 become 2 of 32
+            model = demo.tiny_llama(tokenizer, seed=config.seed, **({} if config.engine == "hf" else {"num_heads": 2}))
             if reward_functions is None:
                 reward_functions = [] if self.environment_factory is not None else [demo.CopyDigitsReward()]
             train_dataset = train_dataset if train_dataset is not None else demo.copy_digits_dataset(4096, seed=config.seed)
@@ -357,6 +362,30 @@ class RLTrainer:
             1, math.ceil(config.num_train_epochs * len(self.train_dataset) / config.prompts_per_step))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config, self.total_steps))
 
+    def _build_engine(self) -> None:
+        """The generation engine of ``config.engine``: Hugging Face ``generate`` on the policy
+        itself, or a vLLM engine loaded with the policy's weights (merged, with LoRA)."""
+        cfg = self.config
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        weights = None if cfg.engine == "hf" else self._engine_weights()
+        self.engine = make_engine(cfg.engine, self.model, self.tokenizer, engine_args=cfg.engine_args,
+                                  weights=weights, pad_token_id=pad)
+
+    def _engine_weights(self):
+        """What the engine loads: the policy's full weights, or with LoRA the adapters merged in
+        (every engine takes plain weights; vLLM's own LoRA path would also need enable_lora)."""
+        return merged_weights(self.model) if self.peft_config is not None else full_weights(self.model)
+
+    def _sync_engine(self, version: int) -> float:
+        """Give the engine the weights trained for ``version`` steps; returns the seconds it took.
+        The default engine samples with the policy itself, so only its version moves."""
+        if isinstance(self.engine, HFEngine) and self.engine.model is self.model:
+            self.engine.update_weights((), version=version)
+            return 0.0
+        start = time.perf_counter()
+        self.engine.update_weights(self._engine_weights(), version=version)
+        return time.perf_counter() - start
+
     # --- data ---------------------------------------------------------------------------------
 
     def _rows(self, step: int, sampling_round: int = 0) -> tuple[list[dict[str, Any]], list[int]]:
@@ -430,6 +459,13 @@ class RLTrainer:
                                 time.perf_counter() - start)
         self.scheduler.step()  # the schedule counts steps, whatever num_iterations makes of each
         self._after_update(step, metrics)
+        # how many steps behind the trained weights the samples were; then the engine catches up
+        if batch.policy_version is not None:
+            metrics["rollout/staleness"] = step - float(batch.policy_version.double().mean())
+        every = self.config.engine_sync_steps
+        if isinstance(self.engine, HFEngine) or (every and (step + 1) % every == 0):
+            metrics["engine/sync_seconds"] = self._sync_engine(step + 1)
+        metrics["engine/weights_version"] = float(self.engine.weights_version)
         return {**metrics, **sampling, **self._reward_failures()}
 
     def _reward_failures(self, *, reduce: bool = True) -> dict[str, float]:
@@ -532,7 +568,7 @@ class RLTrainer:
             batch = rollout(self.model, self.tokenizer, prompts, num_generations=cfg.num_generations,
                             max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
                             top_p=cfg.top_p, top_k=cfg.top_k, stop_token_ids=self.stop_ids,
-                            seed=cfg.seed, prompt_ids=ids)
+                            seed=cfg.seed, prompt_ids=ids, engine=self.engine)
         return batch, prompts, rows
 
     def _score(self, batch: Batch, prompts: list[str], rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -723,7 +759,8 @@ class RLTrainer:
             raise InvalidArgumentError("RLTrainer.evaluate: no eval_dataset was given")
         with self._autocast_context():
             return evaluate_dataset(self.model, self.tokenizer, self.eval_dataset, self.reward_functions,
-                                    self.config, render=self._render, stop_token_ids=self.stop_ids)
+                                    self.config, render=self._render, stop_token_ids=self.stop_ids,
+                                    engine=self.engine)
 
     def resume(self) -> int:
         """Load the newest checkpoint in ``output_dir``; returns the steps it had done (0 if none).
@@ -769,6 +806,8 @@ class RLTrainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         start = self.step = self.resume() if cfg.resume else 0
+        if start and (isinstance(self.engine, HFEngine) or cfg.engine_sync_steps):
+            self._sync_engine(start)  # the engine samples with the checkpoint's weights
         logger = MetricsLogger(self.output_dir, total_steps=self.total_steps, initial_step=start,
                                enabled=is_main_process(), progress_bar=cfg.progress_bar, report_to=cfg.report_to,
                                run_config=cfg.to_dict(), run_name=cfg.run_name)
