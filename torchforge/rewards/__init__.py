@@ -9,7 +9,8 @@ trainer:
   mathematically (math-verify; ``pip install 'torchforge[math]'``);
 - :class:`ExactMatch`: the final answer equals the reference as normalized text;
 - :class:`ThinkAnswerFormat`: ``<think>...</think><answer>...</answer>``;
-- :class:`OverlongPenalty`: DAPO's soft penalty near ``max_completion_length``.
+- :class:`OverlongPenalty`: DAPO's soft penalty near ``max_completion_length``;
+- :class:`RewardModel`: a trained reward model (a local sequence classifier with one label).
 
 The answer rewards read the reference from a dataset column (``answer`` by default,
 ``answer_key=`` to change it).
@@ -23,11 +24,13 @@ from torchforge.rewards.answers import (
 )
 from torchforge.rewards.format import ThinkAnswerFormat
 from torchforge.rewards.length import OverlongPenalty
+from torchforge.rewards.reward_model import RewardModel
 
 __all__ = [
     "ExactMatch",
     "MathAccuracy",
     "OverlongPenalty",
+    "RewardModel",
     "ThinkAnswerFormat",
     "extract_answer",
     "normalize_answer",

@@ -44,7 +44,7 @@ __all__ = ["main", "run", "load_run_config", "import_object", "check_run", "buil
 _RUN_KEYS = {
     "model": "a local Hugging Face folder (none: the embedded demo)",
     "dataset": "a JSONL file or a `datasets` folder of rows with a 'prompt' field",
-    "reward_functions": "dotted import paths, e.g. [myrewards.correct, myrewards:Format]",
+    "reward_functions": "dotted import paths, e.g. [myrewards.correct, myrewards:Format], or {reward_model: DIR, ...} / {judge: DIR, ...}",
     "environment": "a dotted import path of a multi-turn environment class, one per episode (RLTrainer's environment_factory)",
     "distributed": "DistributedConfig fields, e.g. {strategy: fsdp, sharding_strategy: full}",
 }
@@ -185,6 +185,11 @@ def _reward_functions(paths: Sequence[str]) -> list[Any]:
 
     out = []
     for path in paths:
+        if isinstance(path, dict):  # {reward_model: DIR, ...} / {judge: DIR, ...}: built without loading a model
+            from torchforge.rewards.reward_model import reward_from_settings
+
+            out.append(reward_from_settings(path))
+            continue
         obj = import_object(path)
         if inspect.isclass(obj) and issubclass(obj, RewardFunction):
             obj = obj()
