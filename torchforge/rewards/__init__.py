@@ -10,7 +10,8 @@ trainer:
 - :class:`ExactMatch`: the final answer equals the reference as normalized text;
 - :class:`ThinkAnswerFormat`: ``<think>...</think><answer>...</answer>``;
 - :class:`OverlongPenalty`: DAPO's soft penalty near ``max_completion_length``;
-- :class:`RewardModel`: a trained reward model (a local sequence classifier with one label).
+- :class:`RewardModel`: a trained reward model (a local sequence classifier with one label);
+- :class:`LLMJudge`: a causal LM asked to grade each completion, through a generation engine.
 
 The answer rewards read the reference from a dataset column (``answer`` by default,
 ``answer_key=`` to change it).
@@ -24,10 +25,12 @@ from torchforge.rewards.answers import (
 )
 from torchforge.rewards.format import ThinkAnswerFormat
 from torchforge.rewards.length import OverlongPenalty
+from torchforge.rewards.judge import LLMJudge
 from torchforge.rewards.reward_model import RewardModel
 
 __all__ = [
     "ExactMatch",
+    "LLMJudge",
     "MathAccuracy",
     "OverlongPenalty",
     "RewardModel",
