@@ -186,3 +186,34 @@ def test_torchforge_train_takes_a_reward_model_from_the_config(rm_dir, tmp_path,
         assert err.count("\n") == 1 and err.startswith("error: "), err
         assert re.search(message, err), err
         assert not (tmp_path / "r2").exists()  # refused before anything ran
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, shard", [("ddp", False), ("fsdp", True)])
+def test_on_two_processes_each_scores_its_rows_and_the_step_matches_one_process(rm_dir, tmp_path, strategy, shard):
+    # sampling is seeded per sample, so both runs score the same completions; the logged
+    # mean over the processes must be the one process's mean (each process scored its own rows)
+    import os
+    import subprocess
+    import sys
+
+    tokenizer = char_tokenizer()
+    tiny_llama(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in copy_digits_dataset(8)))
+    settings = {"model": str(tmp_path / "model"), "dataset": str(data), **_trainer_settings(tmp_path),
+                "prompts_per_step": 4, "max_steps": 2, "distributed_strategy": strategy,
+                "reward_functions": [{"reward_model": str(rm_dir), "name": "rm", "batch_size": 3, "shard": shard}]}
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    rows = {}
+    for nproc in (1, 2):
+        out_dir = tmp_path / f"run{nproc}"
+        done = subprocess.run([sys.executable, "-m", "torchforge", "train", "--config", str(config), "--nproc",
+                               str(nproc), f"output_dir={out_dir}"], capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows[nproc] = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[1][0]["rewards/rm/mean"] == pytest.approx(rows[2][0]["rewards/rm/mean"], abs=1e-5)
+    assert rows[1][0]["rewards/rm/std"] == pytest.approx(rows[2][0]["rewards/rm/std"], abs=1e-5)
