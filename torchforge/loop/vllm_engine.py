@@ -237,6 +237,12 @@ class VLLMEngine:
         self.weights_version = int(version)
         barrier()
 
+    def close(self) -> None:
+        """Shut the engine down (vLLM frees its memory and process groups); a closed engine cannot generate."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()  # vLLM's own teardown, while its process groups exist
+            self.llm = None
+
 
 def _save_weights(weights: Iterable[tuple[str, torch.Tensor]], folder: Path) -> None:
     """``folder/model.safetensors`` from rank 0; the other ranks take part in the gathers only."""

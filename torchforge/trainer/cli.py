@@ -559,6 +559,8 @@ def _train(args: argparse.Namespace) -> int:
         step = trainer.step if trainer is not None else 0
         raise RunInterrupted(step, last_checkpoint_step(output_dir)) from None
     finally:
+        if trainer is not None:
+            trainer.close_engine()
         teardown_distributed()
     if main_process:
         text, reward_last = _summary_lines(trainer, summary, start)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from torchforge.errors import InvalidArgumentError
+from torchforge.loop.engines import ENGINES, make_engine
 from torchforge.loop.evaluate import evaluate
 from torchforge.loop.rollout import completion_stop_ids
 
@@ -93,6 +94,8 @@ def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument("--reward-function", dest="reward_functions", action="append", metavar="PATH",
                         help="a dotted import path; repeat for several (default: the config's reward_functions)")
     parser.add_argument("--out", help="also write the metrics to this JSON file")
+    parser.add_argument("--engine", choices=ENGINES, help="what samples the completions (default the config's "
+                        "engine, else hf); engine_args=... in the overrides or --config set its arguments")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="settings that override the file")
     return parser
 
@@ -134,6 +137,8 @@ def eval_main(args: argparse.Namespace) -> int:
                                        "reward_functions in --config")
         paths = [paths] if isinstance(paths, str) else list(paths)
         names = set(RLConfig.__dataclass_fields__)
+        if args.engine is not None:
+            values["engine"] = args.engine
         config = RLConfig.from_dict({k: v for k, v in values.items() if k in names})
         reward_functions = _reward_functions(paths)
         dataset = _dataset(args.dataset)
@@ -145,7 +150,15 @@ def eval_main(args: argparse.Namespace) -> int:
     try:
         if torch.cuda.is_available():
             model = model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
-        metrics = evaluate_dataset(model, tokenizer, dataset, reward_functions, config)
+        engine = None
+        if config.engine != "hf":
+            from torchforge.trainer.lora import is_peft_model, merged_weights
+
+            weights = merged_weights(model) if is_peft_model(model) else None
+            engine = make_engine(config.engine, model, tokenizer, engine_args=config.engine_args, weights=weights)
+        metrics = evaluate_dataset(model, tokenizer, dataset, reward_functions, config, engine=engine)
+        if engine is not None and callable(getattr(engine, "close", None)):
+            engine.close()
         main_process = is_main_process()
     finally:
         teardown_distributed()

@@ -371,6 +371,21 @@ class RLTrainer:
         self.engine = make_engine(cfg.engine, self.model, self.tokenizer, engine_args=cfg.engine_args,
                                   weights=weights, pad_token_id=pad)
 
+    def close_engine(self) -> None:
+        """Stop the generation engine (a vLLM engine, or a vLLM server this trainer started),
+        before the process group goes: vLLM in process tears down its own groups. The
+        default engine has nothing to stop. Every process calls this.
+
+        Args:
+            None.
+
+        Returns:
+            None.
+        """
+        close = getattr(self.engine, "close", None)
+        if callable(close):
+            close()
+
     def _engine_weights(self):
         """What the engine loads: the policy's full weights, or with LoRA the adapters merged in
         (every engine takes plain weights; vLLM's own LoRA path would also need enable_lora)."""
