@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from torchforge.distributed import full_weights
-from torchforge.loop.engines import Completion, GenerationEngine, SamplingSettings
+from torchforge.loop.engines import Completion, GenerationEngine, SamplingSettings, request_seeds
 from torchforge.loop.sampling import filter_logits
 
 __all__ = ["check_engine", "reference_log_probs"]
@@ -118,7 +118,7 @@ def check_engine(engine: GenerationEngine, model: nn.Module, *, stop_token_ids: 
     vocab = reference.config.vocab_size
     stops = tuple(stop_token_ids) if stop_token_ids else tuple(range(0, vocab, 3))
     prompts = _requests(vocab, num_requests, seed)
-    seeds = [seed * 1_000_003 + r for r in range(num_requests)]
+    seeds = request_seeds(seed, range(num_requests), 1)
     settings_list = [
         SamplingSettings(max_new_tokens=max_new_tokens, stop_token_ids=stops),
         SamplingSettings(max_new_tokens=max_new_tokens, temperature=0.7, stop_token_ids=stops),

@@ -254,6 +254,8 @@ class RLTrainer:
     def _build_task(self, model, tokenizer, reward_functions, train_dataset) -> nn.Module:
         """Check the model, tokenizer, rewards and data (the embedded demo when no model); keep them."""
         fn, config = "RLTrainer", self.config
+        if train_dataset is None:  # an environment that brings its rows (a verifiers environment's dataset)
+            train_dataset = getattr(self.environment_factory, "train_dataset", None)
         if model is None:
             from torchforge.trainer import demo
 
@@ -391,10 +393,14 @@ class RLTrainer:
         (every engine takes plain weights; vLLM's own LoRA path would also need enable_lora)."""
         return merged_weights(self.model) if self.peft_config is not None else full_weights(self.model)
 
+    def _engine_is_policy(self) -> bool:
+        """True when the engine samples with the trained model itself (the default "hf")."""
+        return isinstance(self.engine, HFEngine) and self.engine.model is self.model
+
     def _sync_engine(self, version: int) -> float:
         """Give the engine the weights trained for ``version`` steps; returns the seconds it took.
         The default engine samples with the policy itself, so only its version moves."""
-        if isinstance(self.engine, HFEngine) and self.engine.model is self.model:
+        if self._engine_is_policy():
             self.engine.update_weights((), version=version)
             return 0.0
         start = time.perf_counter()
@@ -478,7 +484,7 @@ class RLTrainer:
         if batch.policy_version is not None:
             metrics["rollout/staleness"] = step - float(batch.policy_version.double().mean())
         every = self.config.engine_sync_steps
-        if isinstance(self.engine, HFEngine) or (every and (step + 1) % every == 0):
+        if self._engine_is_policy() or (every and (step + 1) % every == 0):
             metrics["engine/sync_seconds"] = self._sync_engine(step + 1)
         metrics["engine/weights_version"] = float(self.engine.weights_version)
         return {**metrics, **sampling, **self._reward_failures()}
@@ -821,7 +827,7 @@ class RLTrainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         start = self.step = self.resume() if cfg.resume else 0
-        if start and (isinstance(self.engine, HFEngine) or cfg.engine_sync_steps):
+        if start and (self._engine_is_policy() or cfg.engine_sync_steps):
             self._sync_engine(start)  # the engine samples with the checkpoint's weights
         logger = MetricsLogger(self.output_dir, total_steps=self.total_steps, initial_step=start,
                                enabled=is_main_process(), progress_bar=cfg.progress_bar, report_to=cfg.report_to,
