@@ -45,7 +45,8 @@ _RUN_KEYS = {
     "model": "a local Hugging Face folder (none: the embedded demo)",
     "dataset": "a JSONL file or a `datasets` folder of rows with a 'prompt' field",
     "reward_functions": "dotted import paths, e.g. [myrewards.correct, myrewards:Format], or {reward_model: DIR, ...} / {judge: DIR, ...}",
-    "environment": "a dotted import path of a multi-turn environment class, one per episode (RLTrainer's environment_factory)",
+    "environment": "a dotted import path of a multi-turn environment class, one per episode (RLTrainer's environment_factory), "
+                   "or {openenv: URL, ...} / {verifiers: ID, ...}",
     "distributed": "DistributedConfig fields, e.g. {strategy: fsdp, sharding_strategy: full}",
 }
 
@@ -344,7 +345,10 @@ def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
             )
     run_values = {k: values.pop(k) for k in list(_RUN_KEYS) if k in values}
     _check_types(values, RLConfig)
-    environment = import_object(run_values["environment"]) if run_values.get("environment") else None
+    from torchforge.trainer.environment_settings import environment_from_settings
+
+    environment = environment_from_settings(run_values["environment"]) if run_values.get("environment") else None
+    brings_rows = getattr(environment, "train_dataset", None) is not None  # a verifiers environment's dataset
 
     dist = None
     if run_values.get("distributed") is not None:
@@ -368,7 +372,7 @@ def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
         run = _Run(config=demo_config(**values), distributed=dist, environment=environment)
     else:
         missing = [k for k in ("dataset", "reward_functions") if k not in run_values
-                   and not (k == "reward_functions" and environment)]
+                   and not (k == "reward_functions" and environment) and not (k == "dataset" and brings_rows)]
         if missing:
             raise InvalidArgumentError(f"torchforge train: model given but not {missing}; expected all three")
         config = RLConfig.from_dict(values)
@@ -376,8 +380,8 @@ def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
         rewards = [rewards] if isinstance(rewards, str) else rewards
         if not isinstance(rewards, list) or not (rewards or environment):
             raise InvalidArgumentError(f"reward_functions={rewards!r}; expected a list of dotted import paths")
-        dataset = run_values["dataset"]
-        if not isinstance(dataset, str) or not Path(dataset).expanduser().exists():
+        dataset = run_values.get("dataset")
+        if not (dataset is None and brings_rows) and (not isinstance(dataset, str) or not Path(dataset).expanduser().exists()):
             raise InvalidArgumentError(f"dataset {dataset!r} does not exist; expected a JSONL file or a datasets folder")
         run = _Run(config=config, model=_check_model(run_values["model"]), dataset=dataset,
                    reward_functions=_reward_functions(rewards), distributed=dist, environment=environment)
@@ -418,7 +422,7 @@ def build_trainer(values: dict[str, Any] | _Run):
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars: the command prints its own summary
     reward_functions = run.reward_functions
-    train_dataset = _dataset(run.dataset)
+    train_dataset = _dataset(run.dataset) if run.dataset is not None else None  # None: the environment's rows
     try:
         model = AutoModelForCausalLM.from_pretrained(run.model)
         tokenizer = AutoTokenizer.from_pretrained(run.model)

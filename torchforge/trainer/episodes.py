@@ -5,9 +5,12 @@ environment factory: :func:`rollout_step` plays G episodes of each of this proce
 (:func:`torchforge.loop.environments.rollout_episodes`), :func:`score_step` sets the
 rewards, and :func:`step_metrics` adds the episode metrics (summed over processes).
 
-Rewards: ``rewards_b = w_env * sum_k r_bk + sum_f w_f * r_fb``: the environment's turn
-rewards summed over the episode, weighted by the environment's ``reward_weight``
-(default 1.0), plus the reward functions when there are any (each sees the episode's
+Rewards: ``rewards_b = w_env * (sum_k r_bk + s_b) + sum_f w_f * r_fb``: the environment's
+turn rewards summed over the episode, plus ``s_b`` when the environment factory scores
+whole episodes (``score_episodes(envs, num_generations=G, faulted=...) -> (s [B], parts)``,
+as :class:`torchforge.loop.verifiers_env.VerifiersEnvironment` does with its rubric; each
+part is logged as ``rewards/environment/<name>/``), weighted by the environment's
+``reward_weight`` (default 1.0), plus the reward functions when there are any (each sees the episode's
 transcript, model and observation text after the prompt, as its ``completion``; a sample
 that no function applies to adds 0). ``batch.rewards`` is [B], so GRPO's groups are the G
 episodes of a row; PPO places it at the episode's last model token and its GAE skips the
@@ -54,6 +57,7 @@ def rollout_step(trainer: Any, rows: list[dict[str, Any]], ids: list[int]) -> tu
             stop_token_ids=trainer.stop_ids, seed=cfg.seed, episode_ids=ids, engine=trainer.engine,
         )
     trainer.environment_weight = float(getattr(envs[0], "reward_weight", 1.0))
+    trainer.episode_envs = envs  # for an environment factory that scores the episodes itself (score_step)
     prompts = [row.get("prompt") for row in rows]
     firsts = [p[batch.prompt_mask[i * G]].tolist() for i, p in enumerate(batch.prompt_tokens[::G])]
     text = trainer.tokenizer.batch_decode(firsts, skip_special_tokens=True)
@@ -70,12 +74,17 @@ def score_step(trainer: Any, batch: Batch, prompts: list[str], rows: list[dict[s
         rows: the N rows (their fields reach the reward functions).
 
     Returns:
-        name -> float64 [B] unweighted scores: ``environment`` and each reward function's.
+        name -> float64 [B] unweighted scores: ``environment`` (its turn rewards and its own
+        score), ``environment/<name>`` for each part of that score, and each reward function's.
     """
     G, record = trainer.config.num_generations, trainer.episodes
-    env_returns = record.returns
+    env_returns, env_parts = record.returns, {}
+    scorer = getattr(trainer.environment_factory, "score_episodes", None)
+    if callable(scorer):  # e.g. a verifiers rubric: the whole episodes, each row's G together
+        scores, env_parts = scorer(trainer.episode_envs, num_generations=G, faulted=record.faulted.tolist())
+        env_returns = env_returns + scores.to(env_returns)
     total = trainer.environment_weight * env_returns
-    per_function = {"environment": env_returns}
+    per_function = {"environment": env_returns, **{f"environment/{k}": v for k, v in env_parts.items()}}
     if trainer.reward_functions:
         ids = [row[:n] for row, n in zip(batch.tokens.tolist(), record.lengths.tolist())]
         transcripts = trainer.tokenizer.batch_decode(ids, skip_special_tokens=True)
