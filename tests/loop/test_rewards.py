@@ -254,3 +254,33 @@ def test_the_trainer_logs_failures_and_keeps_training(tmp_path):
     assert [r["rewards/hangs_where_asked/crashes"] for r in rows] == [0.0, 0.0]
     assert [r["rewards/copy_digits/timeouts"] for r in rows] == [0.0, 0.0]  # guarded too, never failed
     assert [r["rewards/hangs_where_asked/mean"] for r in rows] == [0.0, 0.0]  # (-1 -1 +1 +1) / 4
+
+
+def test_torchforge_train_with_reward_workers_from_a_config(tmp_path):
+    import json
+
+    import yaml
+
+    from torchforge.trainer.cli import main
+    from torchforge.trainer.demo import char_tokenizer, tiny_llama
+
+    tokenizer = char_tokenizer()
+    tiny_llama(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in [{"prompt": "123=", "target": "123", "hang": True},
+                                                            {"prompt": "456=", "target": "456", "hang": False}]))
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": str(tmp_path / "model"), "dataset": str(data), "output_dir": str(tmp_path / "run"),
+        "reward_functions": ["tests.loop.test_rewards.hangs_where_asked", "torchforge.trainer.demo.CopyDigitsReward"],
+        "max_steps": 1, "num_generations": 2, "prompts_per_step": 2, "max_completion_length": 3, "kl_coef": 0.0,
+        "mixed_precision": "fp32", "gradient_checkpointing": False, "progress_bar": False,
+        "reward_timeout": 1.0, "reward_processes": 1, "reward_on_failure": None}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["train", "--config", str(config)]) == 0
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["rewards/hangs_where_asked/timeouts"] == 2.0 and row["rewards/hangs_where_asked/mean"] == 1.0
+    assert row["rewards/copy_digits/crashes"] == 0.0
+    assert main(["train", "--config", str(config), "reward_processes=-1", "output_dir=" + str(tmp_path / "r2")]) == 2
