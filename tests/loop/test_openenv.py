@@ -238,4 +238,4 @@ def test_a_bad_openenv_block_is_one_line(tmp_path, capsys):
     from torchforge.trainer.cli import main
 
     assert main(["train", f"output_dir={tmp_path / 'o'}", "environment={openenv: http://127.0.0.1:1, actoin: m}"]) == 2
-    assert "environment.actoin" in capsys.readouterr().err
+    assert "unknown setting environment.actoin; did you mean 'action'?" in capsys.readouterr().err
