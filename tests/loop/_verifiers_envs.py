@@ -4,10 +4,12 @@ AskThenCopy: the prompt is the digits followed by "="; turn 1 asks (its text sta
 the environment answers with the digits and "=", turn 2 copies them. The rubric:
 ``copied`` (weight 0.8: the digits of the last turn in place), ``asked`` (weight 0.2) and
 verifiers' own ``num_turns`` metric (weight 0). ``mode="raise"`` makes env_response fail on
-rows whose answer starts with "1"; ``mode="final"`` ends the episode with a final
+rows whose answer starts with "1", ``mode="hang"`` makes it sleep 30 s there; ``mode="final"`` ends the episode with a final
 environment response when turn 1 does not ask; ``mode="group"`` adds a group reward
 function (``longest``: 1 for the episodes of a row whose last turn is the longest).
 """
+
+import asyncio
 
 import verifiers as vf
 from datasets import Dataset
@@ -41,6 +43,8 @@ class AskThenCopy(vf.MultiTurnEnv):
     async def env_response(self, messages, state, **kwargs):
         if self.mode == "raise" and state["answer"].startswith("1"):
             raise ValueError("the environment is broken on this row")
+        if self.mode == "hang" and state["answer"].startswith("1"):
+            await asyncio.sleep(30.0)
         if self.mode == "final" and not _turns(messages)[-1].startswith("="):
             state["final_env_response"] = [vf.UserMessage(content="0")]
             return state["final_env_response"]

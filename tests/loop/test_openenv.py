@@ -181,6 +181,39 @@ def test_a_server_that_is_not_there(model):
         play(model, factory)  # a reset that fails is a setup error, as for any environment
 
 
+def test_a_typed_client_and_typed_actions(server, model):
+    from openenv.core import EnvClient
+    from openenv.core.client_types import StepResult as OpenEnvStep
+
+    class HeardClient(EnvClient):  # what an environment's own client package looks like
+        def _step_payload(self, action):
+            return action.model_dump()
+
+        def _parse_result(self, payload):
+            return OpenEnvStep(observation=Heard(**payload["observation"]), reward=payload.get("reward"),
+                               done=payload.get("done", False))
+
+        def _parse_state(self, payload):
+            return State(**payload)
+
+    factory = openenv_environment(server.url, client_class=HeardClient, action=lambda text: Reply(message="1" + text),
+                                  observation="text")
+    _, episodes = play(model, factory)
+    assert episodes.reasons == ["done"] * 4 and [r for rs in episodes.turn_rewards for r in rs] == [1.0] * 8
+
+
+def test_a_server_without_a_free_session_says_so(model):
+    one = Serving(create_fastapi_app(TwoTurns, Reply, Heard, max_concurrent_envs=1), lifetime=30.0)
+    try:
+        factory = openenv_environment(one.url)
+        with pytest.raises(EpisodeError, match=r"closed the session before the reset answered .*, as a server with "
+                                               r"no free session does; expected a server started with "
+                                               r"max_concurrent_envs >= the episodes of a step"):
+            play(model, factory, rows=[{"prompt": "1="}], G=2)
+    finally:
+        one.stop()
+
+
 def test_an_ambiguous_schema_needs_the_mapping(server):
     schema = {"properties": {"a": {"type": "string"}, "b": {"type": "string"}, "metadata": {"type": "object"}}}
     assert text_fields(schema, {"metadata"}) == ["a", "b"]

@@ -20,7 +20,7 @@ if not hasattr(vf, "MultiTurnEnv"):
 
 from tests.loop import _verifiers_envs as envs_module  # noqa: E402
 from torchforge.errors import InvalidArgumentError  # noqa: E402
-from torchforge.loop.environments import rollout_episodes  # noqa: E402
+from torchforge.loop.environments import EpisodeError, rollout_episodes  # noqa: E402
 from torchforge.loop.verifiers_env import VerifiersEnvironment, message_text  # noqa: E402
 from torchforge.trainer.demo import char_tokenizer, tiny_llama  # noqa: E402
 
@@ -106,16 +106,23 @@ def test_a_final_env_response_ends_the_episode(model):
     assert (record.turns == 1).any()                                              # the case was exercised
 
 
-def test_an_env_response_that_raises_ends_its_episode_and_is_not_scored(model, caplog):
-    source = VerifiersEnvironment.load(ENV_ID, env_args={"mode": "raise", "n": 32}, chat=False)
+@pytest.mark.parametrize("mode, reason", [
+    ("raise", r"step raised ValueError: the environment is broken on this row"),
+    ("hang", r"step timed out after 0.5 s"),
+])
+def test_an_env_response_that_raises_or_hangs_ends_its_episode_and_is_not_scored(model, mode, reason):
+    import time
+
+    source = VerifiersEnvironment.load(ENV_ID, env_args={"mode": mode, "n": 32}, chat=False)
     rows = source.train_dataset
     broken = next(i for i, r in enumerate(rows) if r["answer"].startswith("1"))
     fine = next(i for i, r in enumerate(rows) if not r["answer"].startswith("1"))
     source._train_dataset = [rows[broken], rows[fine]]
-    _, episodes, batch, record = play(model, source, N=2, G=2, fault_reward=-1.0)
+    begin = time.perf_counter()
+    _, episodes, batch, record = play(model, source, N=2, G=2, fault_reward=-1.0, step_timeout=0.5)
+    assert time.perf_counter() - begin < 5.0
     assert record.faulted.tolist() == [True, True, False, False]
-    assert all(re.fullmatch(r"step raised ValueError: the environment is broken on this row", r)
-               for r in record.reasons[:2])
+    assert all(re.fullmatch(reason, r) for r in record.reasons[:2]), record.reasons
     assert record.reasons[2:] == ["done", "done"]
     rewards, parts = source.score_episodes(episodes, num_generations=2, faulted=record.faulted.tolist())
     assert rewards[:2].tolist() == [0.0, 0.0] and parts["copied"][:2].isnan().all()   # not scored: NaN parts
@@ -183,6 +190,29 @@ def test_loading_keeps_the_signal_handlers():
         assert signal.getsignal(signal.SIGTERM) is mine                            # verifiers installs its own
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_rubric_that_hangs_is_an_error_not_a_stall(model):
+    def slow(completion, **kwargs):
+        import time
+
+        time.sleep(2.0)
+        return 1.0
+
+    env = envs_module.load_environment()
+    env.rubric = vf.Rubric(funcs=[slow])
+    source = VerifiersEnvironment(env, chat=False, score_timeout=0.5)
+    _, episodes, _, record = play(model, source, N=1, G=2)
+    with pytest.raises(EpisodeError, match=r"score_episodes: the rubric of AskThenCopy did not score 2 episodes in "
+                                           r"score_timeout=0.5 s"):
+        source.score_episodes(episodes, num_generations=2, faulted=record.faulted.tolist())
+
+
+def test_an_environment_without_a_training_dataset():
+    env = vf.SingleTurnEnv(eval_dataset=envs_module.rows(2), rubric=vf.Rubric(funcs=[envs_module.asked]))
+    with pytest.raises(InvalidArgumentError, match=r"VerifiersEnvironment.train_dataset: SingleTurnEnv has no "
+                                                   r"training dataset"):
+        VerifiersEnvironment(env).train_dataset
 
 
 @pytest.mark.parametrize("make, message", [

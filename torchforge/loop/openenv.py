@@ -172,8 +172,18 @@ class OpenEnvEnvironment(Environment):
         client_class = self.client_class or core.GenericEnvClient
         self.client = client_class(base_url=self.base_url, connect_timeout_s=self.connect_timeout,
                                    message_timeout_s=self.message_timeout).sync()
-        self.client.connect()
-        result = self.client.reset(**self.reset_arguments(row))
+        try:
+            self.client.connect()
+            result = self.client.reset(**self.reset_arguments(row))
+        except Exception as error:
+            self.close()
+            if "CAPACITY_REACHED" in str(error) or type(error).__name__.startswith("ConnectionClosed"):
+                raise EpisodeError(
+                    f"OpenEnvEnvironment.reset: {self.base_url} closed the session before the reset answered "
+                    f"({type(error).__name__}: {error}), as a server with no free session does; expected a server "
+                    "started with max_concurrent_envs >= the episodes of a step (prompts_per_step * num_generations)"
+                ) from None
+            raise
         first = self.observation(_as_dict(result.observation))
         if first is None or first == "" or first == []:
             first = row.get("prompt")

@@ -37,6 +37,7 @@ Note:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
 import signal
@@ -72,12 +73,18 @@ class _Loop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
 
-    def run(self, coroutine: Any) -> Any:
+    def run(self, coroutine: Any, timeout: float | None = None) -> Any:
+        """The coroutine's result; ``TimeoutError`` after ``timeout`` seconds (it is cancelled)."""
         with self._lock:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
                 threading.Thread(target=self._loop.run_forever, daemon=True, name="torchforge-verifiers").start()
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"no answer in {timeout} s") from None
 
 
 def message_text(messages: Sequence[Any]) -> str:
@@ -125,6 +132,8 @@ class VerifiersEnvironment:
         parse_action: a function from the model's text to the assistant message (a dict
             with ``content`` and optionally ``tool_calls``); default the text as ``content``.
         reward_weight: the weight of the rubric's reward next to torchforge reward functions.
+        score_timeout: seconds the rubric may take to score one step's episodes, and
+            ``cleanup`` one episode (a hung grader or sandbox then raises, never stalls).
 
     Returns:
         The factory.
@@ -140,7 +149,7 @@ class VerifiersEnvironment:
     """
 
     def __init__(self, env: Any, *, chat: bool = True, parse_action: Callable[[str], dict] | None = None,
-                 reward_weight: float = 1.0) -> None:
+                 reward_weight: float = 1.0, score_timeout: float = 600.0) -> None:
         fn = "VerifiersEnvironment"
         vf = _require_verifiers(fn)
         if not isinstance(env, vf.Environment):
@@ -152,7 +161,10 @@ class VerifiersEnvironment:
             raise InvalidArgumentError(f"{fn}: parse_action={parse_action!r}; expected a function from text to a message")
         if isinstance(reward_weight, bool) or not isinstance(reward_weight, (int, float)) or not math.isfinite(reward_weight):
             raise InvalidArgumentError(f"{fn}: reward_weight={reward_weight!r}; expected a finite number")
+        if isinstance(score_timeout, bool) or not isinstance(score_timeout, (int, float)) or not score_timeout > 0:
+            raise InvalidArgumentError(f"{fn}: score_timeout={score_timeout!r}; expected seconds > 0")
         self.env, self.chat, self.parse_action, self.reward_weight = env, chat, parse_action, float(reward_weight)
+        self.score_timeout = float(score_timeout)
         tools = getattr(env, "tool_defs", None)
         self.tools = [{"type": "function", "function": t.model_dump(exclude_none=True) if hasattr(t, "model_dump") else dict(t)}
                       for t in tools] if tools and chat else None
@@ -190,7 +202,12 @@ class VerifiersEnvironment:
     def train_dataset(self) -> list[dict]:
         """The environment's dataset as rows (built once)."""
         if self._train_dataset is None:
-            self._train_dataset = list(self.env.get_dataset())
+            try:
+                self._train_dataset = list(self.env.get_dataset())
+            except ValueError as error:  # "dataset is not set": an environment with an eval_dataset only
+                raise InvalidArgumentError(f"VerifiersEnvironment.train_dataset: {type(self.env).__name__} has no "
+                                           f"training dataset ({error}); expected one, or pass train_dataset= "
+                                           "to RLTrainer") from None
         return self._train_dataset
 
     def __call__(self) -> "VerifiersEpisode":
@@ -231,7 +248,12 @@ class VerifiersEnvironment:
                 for state in group:
                     await rubric.cleanup(state)
 
-        self.loop.run(score())
+        try:
+            self.loop.run(score(), self.score_timeout)
+        except TimeoutError:
+            raise EpisodeError(f"VerifiersEnvironment.score_episodes: the rubric of {type(self.env).__name__} did not "
+                               f"score {B} episodes in score_timeout={self.score_timeout} s; expected graders that "
+                               "answer (or a larger score_timeout)") from None
         names: list[str] = []
         for state in states:
             for name in (state or {}).get("metrics") or {}:
@@ -320,7 +342,7 @@ class VerifiersEpisode(Environment):
         """verifiers' cleanup of the state (it renders ``state["completion"]`` for the rubric)."""
         if self.state is not None and not self.closed:
             self.closed = True
-            self.source.loop.run(self.source.env.cleanup(self.state))
+            self.source.loop.run(self.source.env.cleanup(self.state), self.source.score_timeout)
 
 
 def _no_model_client() -> Any:

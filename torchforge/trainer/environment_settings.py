@@ -28,7 +28,8 @@ __all__ = ["environment_from_settings"]
 
 _OPENENV = {"action": "str", "observation": "str", "reset": "path", "client_class": "path",
             "connect_timeout": "number", "message_timeout": "number", "reward_weight": "number"}
-_VERIFIERS = {"env_args": "dict", "chat": "bool", "parse_action": "path", "reward_weight": "number"}
+_VERIFIERS = {"env_args": "dict", "chat": "bool", "parse_action": "path", "reward_weight": "number",
+              "score_timeout": "number"}
 
 
 def _checked(kind: str, given: dict[str, Any], allowed: dict[str, str]) -> dict[str, Any]:
