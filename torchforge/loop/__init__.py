@@ -20,6 +20,7 @@ Generation goes through an engine (:mod:`torchforge.loop.engines`): Hugging Face
 from torchforge.loop.engines import Completion, GenerationEngine, HFEngine, SamplingSettings, request_seeds
 from torchforge.loop.environments import Environment, Episodes, StepResult, episode_metrics, rollout_episodes
 from torchforge.loop.evaluate import evaluate, pass_at_k
+from torchforge.loop.packing import PACKABLE_ATTENTION, Packing, check_packable, completion_lengths, pack_sequences
 from torchforge.loop.policy import (
     ValueModel,
     head_transform,
@@ -34,7 +35,13 @@ from torchforge.loop.rollout import (
     decode_completions,
     rollout,
 )
-from torchforge.loop.update import accumulate_gradients, micro_batches, optimizer_step
+from torchforge.loop.update import (
+    accumulate_gradients,
+    micro_batches,
+    micro_batches_by_tokens,
+    optimizer_step,
+    sequence_tokens,
+)
 
 __all__ = [
     "rollout",
@@ -60,6 +67,13 @@ __all__ = [
     "RewardError",
     "score_rewards",
     "micro_batches",
+    "micro_batches_by_tokens",
+    "sequence_tokens",
+    "pack_sequences",
+    "Packing",
+    "check_packable",
+    "completion_lengths",
+    "PACKABLE_ATTENTION",
     "accumulate_gradients",
     "optimizer_step",
     "evaluate",

@@ -22,6 +22,7 @@ from torchforge.distributed import unwrap_model
 from torchforge.errors import ShapeError, TorchforgeError, shape_str
 from torchforge.kl import approx_kl
 from torchforge.log_probs import _chunk_rows, _row_chunks, fused_token_log_probs
+from torchforge.loop.packing import check_packable, pack_sequences
 from torchforge.reduce import masked_mean
 
 # --- the head's logit transform ----------------------------------------------------------
@@ -245,6 +246,7 @@ def policy_log_probs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     chunk_size: int | None = None,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the completion tokens (and entropies), without materializing logits.
 
@@ -271,6 +273,12 @@ def policy_log_probs(
         return_entropy: also return the per-token entropy (with grad when grad is enabled,
             as the log-probs: an entropy bonus backpropagates through it).
         chunk_size: rows per chunk of the fused kernel; default automatic.
+        packed: run the forward padding-free (:func:`torchforge.loop.pack_sequences`):
+            each row's real tokens packed end to end with its own position ids, so no
+            compute goes to padding; the results equal the padded forward's on every token
+            up to a row's last counted one, and are 0 after it (where the padded forward
+            computes values no loss reads). A model that cannot be packed is refused
+            (:func:`torchforge.loop.check_packable`, once per model).
 
     Returns:
         ``(log_probs, entropy)``: float32 [B, T] (with grad when grad is enabled), and
@@ -300,7 +308,14 @@ def policy_log_probs(
             "Hugging Face causal LM"
         )
     logit_scale, softcap = head_transform(inner)  # checked against the model's own logits once
-    input_ids, attention_mask, position_ids = _model_inputs(batch)
+    packing = None
+    if packed:
+        check_packable(model, fn="policy_log_probs")
+        packing = pack_sequences(batch)
+        # no attention mask and no cache: the attention reads the boundaries from the position ids
+        input_ids, attention_mask, position_ids = packing.input_ids, None, packing.position_ids
+    else:
+        input_ids, attention_mask, position_ids = _model_inputs(batch)
     P = batch.prompt_tokens.shape[1]
     captured: dict[str, torch.Tensor] = {}
 
@@ -308,27 +323,34 @@ def policy_log_probs(
         captured["hidden"] = _last_hidden(output)
 
     def fused_head(module, args, kwargs, output):
-        hidden = captured.pop("hidden")[:, P - 1:]
+        full = captured.pop("hidden")
+        # packed: [1, N, H] at the positions predicting each kept token; padded: [B, T, H]
+        hidden = packing.gather_hidden(full) if packing is not None else full[:, P - 1:]
+        tokens = packing.targets[None] if packing is not None else batch.tokens
         choice = _PATHS.get(inner)
         if choice is None:
             logits = _output_logits(output)
             if logits is None or hidden.numel() == 0:
                 choice = ("fused" if _fusable(head) else "head", logit_scale, softcap)
-            else:
-                choice = _check_position(inner, head, hidden[0, -1], logits[0, -1], temperature=temperature,
+            else:  # the last position of the first row, whose logits the model returned
+                choice = _check_position(inner, head, full[0, -1], logits[0, -1], temperature=temperature,
                                          logit_scale=logit_scale, softcap=softcap)
                 _PATHS[inner] = choice
         path, scale, cap = choice
         if path == "fused":
             result = fused_token_log_probs(
-                hidden, head.weight, batch.tokens, bias=head.bias, temperature=temperature,
+                hidden, head.weight, tokens, bias=head.bias, temperature=temperature,
                 logit_scale=scale, softcap=cap, chunk_size=chunk_size, return_entropy=return_entropy,
             )
         else:
-            result = _head_log_probs(head, hidden, batch.tokens, temperature=temperature, logit_scale=scale,
+            result = _head_log_probs(head, hidden, tokens, temperature=temperature, logit_scale=scale,
                                      softcap=cap, chunk_size=chunk_size, return_entropy=return_entropy)
-        # fresh tensors, not views: FSDP hooks its pre-backward on what the forward returns
-        return tuple(r.clone() for r in result) if return_entropy else (result.clone(), None)
+        result = result if return_entropy else (result,)
+        if packing is not None:  # back to [B, T]: fresh tensors
+            result = tuple(packing.unpack(r[0]) for r in result)
+        else:  # fresh tensors, not views: FSDP hooks its pre-backward on what the forward returns
+            result = tuple(r.clone() for r in result)
+        return result if return_entropy else (result[0], None)
 
     # prepend: the head runs before FSDP's post-forward hook reshards the root parameters
     with _hooks(decoder.register_forward_hook(keep_hidden),
@@ -409,8 +431,13 @@ def rollout_log_prob_gap(
 class ValueModel(nn.Module):
     """A critic: the policy's decoder (a copy) and a scalar head, ``values = head(hidden)``.
 
+    ``forward(batch, packed=None)`` runs padding-free when ``packed`` (default: the
+    module's ``packed`` attribute) is True, as :func:`policy_log_probs` does: the values
+    equal the padded forward's up to each row's last counted token and are 0 after it.
+
     Args:
         policy: the causal LM to copy the decoder from (its weights initialize the critic).
+        packed: the default of ``forward``'s ``packed``.
 
     Returns:
         A module whose ``forward(batch)`` returns float32 [B, T] values, ``values[:, t]``
@@ -423,9 +450,11 @@ class ValueModel(nn.Module):
         1
     """
 
-    def __init__(self, policy: nn.Module) -> None:
+    def __init__(self, policy: nn.Module, *, packed: bool = False) -> None:
         super().__init__()
         import copy
+
+        self.packed = packed
 
         inner = unwrap_model(policy)
         self.decoder = copy.deepcopy(inner.get_decoder())
@@ -435,7 +464,18 @@ class ValueModel(nn.Module):
         # shard() finds the decoder blocks through this, as for a Hugging Face model
         self._no_split_modules = list(getattr(inner, "_no_split_modules", None) or [])
 
-    def forward(self, batch: Batch) -> torch.Tensor:
+    def forward(self, batch: Batch, packed: bool | None = None) -> torch.Tensor:
+        packed = self.packed if packed is None else packed
+        if packed:  # the probe runs the decoder inside this forward, as the values do (FSDP2)
+            check_packable(self, self._values, decoder=self.decoder, fn="ValueModel")
+        return self._values(batch, packed)
+
+    def _values(self, batch: Batch, packed: bool) -> torch.Tensor:
+        if packed:
+            packing = pack_sequences(batch)
+            hidden = _last_hidden(self.decoder(input_ids=packing.input_ids, position_ids=packing.position_ids,
+                                               attention_mask=None, use_cache=False))
+            return packing.unpack(self.head(packing.gather_hidden(hidden))[0, :, 0].float())
         input_ids, attention_mask, position_ids = _model_inputs(batch)
         P = batch.prompt_tokens.shape[1]
         hidden = _last_hidden(self.decoder(input_ids=input_ids, attention_mask=attention_mask,

@@ -79,7 +79,7 @@ from torchforge.covariance_losses import clip_cov_loss, kl_cov_loss
 from torchforge.distributed import sum_over_ranks
 from torchforge.errors import TorchforgeError
 from torchforge.kl import approx_kl
-from torchforge.loop import ValueModel, micro_batches
+from torchforge.loop import ValueModel, micro_batches, micro_batches_by_tokens
 from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss
 from torchforge.reduce import Aggregation, masked_mean, masked_whiten
 from torchforge.trainer.config import RLConfig
@@ -524,8 +524,11 @@ class PPO(Algorithm):
     @torch.no_grad()
     def prepare(self, batch: Batch) -> None:
         cfg = self.config
-        size = cfg.micro_batch_size or batch.batch_size[0]
-        batch.old_values = torch.cat([self.critic(part) for part in micro_batches(batch, size)])
+        if cfg.micro_batch_tokens is not None:
+            parts = micro_batches_by_tokens(batch, cfg.micro_batch_tokens, group_size=cfg.num_generations)
+        else:
+            parts = micro_batches(batch, cfg.micro_batch_size or batch.batch_size[0])
+        batch.old_values = torch.cat([self.critic(part) for part in parts])
         rewards = batch.rewards.nan_to_num(0.0)
         ref = batch.ref_log_probs if cfg.kl_coef > 0 else batch.old_log_probs
         token_rewards = kl_penalized_rewards(rewards, batch.old_log_probs, ref, batch.mask, kl_coef=self.kl_coef)

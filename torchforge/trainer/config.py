@@ -53,6 +53,17 @@ class RLConfig:
         prompts_per_step: prompts per step over all processes (B = that x G).
         micro_batch_size: sequences per forward / backward on one process (gradient
             accumulation splits the step); a multiple of G. None: the whole local batch.
+        micro_batch_tokens: instead of ``micro_batch_size``, a token budget per forward /
+            backward: consecutive whole groups fill each micro-batch up to this many tokens
+            (real prompt tokens + completion tokens; a group above it runs alone), every
+            process running the same number of micro-batches, balanced by tokens
+            (:func:`torchforge.loop.micro_batches_by_tokens`). None: off.
+        padding_free: run the policy's, the reference's and the critic's forwards on
+            sequences packed end to end with per-sequence position ids, no padding
+            (:func:`torchforge.loop.pack_sequences`); the log-probs, values and gradients
+            equal the padded forward's. A model that cannot be packed (state-space or
+            recurrent layers, an attention that ignores position ids) is refused when the
+            trainer starts. TRL's ``padding_free``, verl's ``use_remove_padding``.
         num_iterations: optimizer steps (passes) per sampled batch, as TRL's; > 1 makes
             the later passes off-policy, handled by the clipped ratio.
         temperature, top_p, top_k: sampling; the training log-probs use the same temperature.
@@ -213,6 +224,8 @@ class RLConfig:
 
     prompts_per_step: int = 8
     micro_batch_size: int | None = None
+    micro_batch_tokens: int | None = None
+    padding_free: bool = False
     num_iterations: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -350,8 +363,10 @@ class RLConfig:
         for name in ("num_generations", "max_completion_length", "prompts_per_step", "num_iterations",
                      "logging_steps", "max_turns"):
             positive_int(name)
-        for name in ("micro_batch_size", "max_steps", "save_steps", "max_total_tokens"):
+        for name in ("micro_batch_size", "micro_batch_tokens", "max_steps", "save_steps", "max_total_tokens"):
             positive_int(name, optional=True)
+        if not isinstance(self.padding_free, bool):
+            raise bad("padding_free", "True or False")
         in_range("learning_rate", 0, float("inf"), open_low=True, finite=True)
         in_range("kl_coef", 0, float("inf"), finite=True)
         in_range("temperature", 0, float("inf"), open_low=True, finite=True)
@@ -399,6 +414,11 @@ class RLConfig:
             raise InvalidArgumentError(
                 f"{fn}: micro_batch_size={self.micro_batch_size} is not a multiple of num_generations={G}; "
                 "expected whole groups per micro-batch (advantages are computed per group)"
+            )
+        if self.micro_batch_size is not None and self.micro_batch_tokens is not None:
+            raise InvalidArgumentError(
+                f"{fn}: micro_batch_size={self.micro_batch_size} and micro_batch_tokens={self.micro_batch_tokens}; "
+                "expected at most one of them (micro-batches by rows or by a token budget)"
             )
         if self.kl_target is not None and self.prompts_per_step * G > 5 * self.kl_horizon:
             raise InvalidArgumentError(  # adaptive_kl_coef: 1 - 0.2 * sequences / kl_horizon must stay >= 0

@@ -60,7 +60,10 @@ from torchforge.loop import (
     accumulate_gradients,
     completion_stop_ids,
     decode_completions,
+    ValueModel,
+    check_packable,
     micro_batches,
+    micro_batches_by_tokens,
     optimizer_step,
     policy_log_probs,
     rollout,
@@ -345,8 +348,13 @@ class RLTrainer:
             self.ref_model = shard(self.ref_model, **self._shard_kwargs)
         if _flag(self.algorithm, "needs_reference") and self.peft_config is not None:
             self.ref_model = self.model  # run under adapters_disabled: one copy of the base weights
+        if self.config.padding_free:  # a model that cannot be packed: one line, before any step
+            with self._autocast_context():
+                check_packable(self.model, fn="RLTrainer")
         modules = {"policy": self.model}
         for name, module in self.algorithm.modules().items():
+            if isinstance(module, ValueModel):  # the critic runs packed too
+                module.packed = self.config.padding_free
             if self.peft_config is not None:  # LoRA: a copied decoder (PPO's critic) freezes, gets adapters
                 module = apply_lora_to_module(module, self.peft_config, seed=self.config.seed + 1)
             module = shard(module.to(self.device), **self._shard_kwargs)
@@ -447,10 +455,14 @@ class RLTrainer:
 
     def _log_probs(self, model: nn.Module, batch: Batch, *, grad: bool, entropy: bool = False):
         with torch.set_grad_enabled(grad), self._autocast_context():
-            return policy_log_probs(model, batch, temperature=self.config.temperature, return_entropy=entropy)
+            return policy_log_probs(model, batch, temperature=self.config.temperature, return_entropy=entropy,
+                                    packed=self.config.padding_free)
 
     def _micro_batches(self, batch: Batch) -> list[Batch]:
-        return list(micro_batches(batch, self.config.micro_batch_size or batch.batch_size[0]))
+        cfg = self.config
+        if cfg.micro_batch_tokens is not None:  # a token budget, the same number on every process
+            return micro_batches_by_tokens(batch, cfg.micro_batch_tokens, group_size=cfg.num_generations)
+        return list(micro_batches(batch, cfg.micro_batch_size or batch.batch_size[0]))
 
     def _log_probs_no_grad(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """[B, T] log-probs of ``batch`` under ``model``, one micro-batch at a time, without grad."""
