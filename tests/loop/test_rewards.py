@@ -284,3 +284,28 @@ def test_torchforge_train_with_reward_workers_from_a_config(tmp_path):
     assert row["rewards/hangs_where_asked/timeouts"] == 2.0 and row["rewards/hangs_where_asked/mean"] == 1.0
     assert row["rewards/copy_digits/crashes"] == 0.0
     assert main(["train", "--config", str(config), "reward_processes=-1", "output_dir=" + str(tmp_path / "r2")]) == 2
+
+
+def test_a_worker_that_cannot_start_is_an_error_not_a_crash_of_every_sample(tmp_path):
+    # a training script without `if __name__ == "__main__":` runs again in every worker (which imports
+    # the main module), and fails there: that is named, not scored as crashed completions
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys\n"
+        "from torchforge.loop.rewards import GuardedReward, RewardWorkers\n"
+        "def length(prompts, completions, **kw):\n"
+        "    return [float(len(c)) for c in completions]\n"
+        "print(GuardedReward(length, workers=RewardWorkers(1))(prompts=['p'], completions=['ab']))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode != 0
+    assert "RewardError: RewardWorkers: a worker process exited with status 1 before calling 'length'" in done.stderr
+    assert "if __name__ == '__main__':" in done.stderr
+    guarded = script.read_text().replace("print(", "if __name__ == '__main__':\n    print(")
+    script.write_text(guarded)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0 and done.stdout.strip() == "[2.0]", done.stderr[-2000:]

@@ -353,13 +353,18 @@ class RewardWorkers:
             One outcome per call, in order: ``("ok", value)``, ``("error", exception)`` (the
             call raised), ``("timeout", seconds)`` (its worker was killed) or ``("crash",
             exitcode)`` (its worker died; a negative code is the signal).
+
+        Raises:
+            RewardError: a worker died (or hung) before calling ``fn``: it could not start or
+                import ``fn`` (e.g. a main script without ``if __name__ == "__main__":``),
+                which no sample is to blame for.
         """
         from multiprocessing.connection import wait
 
         fn_bytes = pickle.dumps(fn)
         outcomes: list[tuple[str, Any] | None] = [None] * len(calls)
         pending = deque(range(len(calls)))
-        running: dict[Any, tuple[_Worker, int, float | None]] = {}
+        running: dict[Any, tuple[_Worker, int, float | None, bool]] = {}  # conn -> worker, call, deadline, started
         try:
             while pending or running:
                 while pending and len(running) < self.processes:
@@ -372,31 +377,35 @@ class RewardWorkers:
                         pending.appendleft(index)
                         continue
                     # until the worker says "started", the limit is that of starting (imports), not the call's
-                    running[worker.conn] = (worker, index, None if timeout is None else time.monotonic() + _START_LIMIT)
-                deadlines = [d for _, _, d in running.values() if d is not None]
+                    running[worker.conn] = (worker, index, time.monotonic() + _START_LIMIT, False)
+                deadlines = [d for _, _, d, _ in running.values() if d is not None]
                 wait_for = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
                 for conn in wait(list(running), timeout=wait_for):
-                    worker, index, deadline = running.pop(conn)
+                    worker, index, deadline, started = running.pop(conn)
                     try:
                         status, value = conn.recv()
                     except (EOFError, OSError):  # the worker died on this call
                         worker.process.join(10)
+                        if not started:  # before the function ran: the worker cannot work, no sample is to blame
+                            raise _startup_failure(fn, f"exited with status {worker.process.exitcode}")
                         outcomes[index] = ("crash", worker.process.exitcode)
                         worker.stop()
                         continue
                     if status == "started":
-                        running[conn] = (worker, index, None if timeout is None else time.monotonic() + timeout)
+                        running[conn] = (worker, index, None if timeout is None else time.monotonic() + timeout, True)
                         continue
                     outcomes[index] = (status, _rebuilt_error(value) if status == "error" else value)
                     self._idle.append(worker)
                 now = time.monotonic()
-                for conn, (worker, index, deadline) in list(running.items()):
+                for conn, (worker, index, deadline, started) in list(running.items()):
                     if deadline is not None and now >= deadline:
                         del running[conn]
                         worker.stop()
+                        if not started:
+                            raise _startup_failure(fn, f"did not load the function within {_START_LIMIT:g} s")
                         outcomes[index] = ("timeout", timeout)
-        except BaseException:  # Ctrl-C or a bug here: never leave a worker holding a half-done call
-            for worker, _, _ in running.values():
+        except BaseException:  # Ctrl-C, a worker that cannot start, a bug: never leave a worker holding a call
+            for worker, _, _, _ in running.values():
                 worker.stop()
             raise
         return outcomes  # type: ignore[return-value]
@@ -412,6 +421,14 @@ class RewardWorkers:
         """
         while self._idle:
             self._idle.pop().stop()
+
+
+def _startup_failure(fn: Callable, what: str) -> RewardError:
+    return RewardError(
+        f"RewardWorkers: a worker process {what} before calling {reward_name(fn)!r}: it could not start or import "
+        "it. Worker processes import the main module: a script that trains at its top level must do so under "
+        "`if __name__ == '__main__':` (as for any multiprocessing worker); or define the reward function in a "
+        "module, or set reward_processes=0")
 
 
 def _reason(kind: str, value: Any) -> str:

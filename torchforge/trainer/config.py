@@ -191,7 +191,8 @@ class RLConfig:
             completion alone in a pool of that many worker processes (per training process),
             so a grader that hangs or crashes (segfault, ``os._exit``) on one completion costs
             that completion ``reward_on_failure`` (``rewards/<name>/crashes``), not the run.
-            The functions must pickle (module-level). 0: in the training process.
+            The functions must pickle (module-level), and a training script needs
+            ``if __name__ == "__main__":`` (workers import the main module). 0: in the training process.
         reward_on_failure: the reward of a completion whose reward call timed out or crashed;
             None: "not applicable" (left out of the group statistics).
         report_to: where metrics go besides ``metrics.jsonl`` (TRL's key): a list of
