@@ -53,6 +53,7 @@ from torchforge.distributed import (
     set_rng_state,
     shard,
     sum_over_ranks,
+    full_weights,
     sync_weights,
     teardown_distributed,
     unwrap_model,
@@ -106,6 +107,7 @@ _LAZY = {
         "check_packable",
         "RewardFunction", "RewardError", "score_rewards",
         "rollout_episodes", "Environment", "StepResult", "evaluate", "pass_at_k",
+        "GenerationEngine", "HFEngine", "SamplingSettings", "Completion", "completions_batch", "request_seeds",
     ], "torchforge.loop"),
 }
 
@@ -147,6 +149,12 @@ __all__ = [
     "pass_at_k",
     "Environment",
     "StepResult",
+    "GenerationEngine",
+    "HFEngine",
+    "SamplingSettings",
+    "Completion",
+    "completions_batch",
+    "request_seeds",
     # rewards
     "score_rewards",
     "RewardError",
@@ -233,6 +241,7 @@ __all__ = [
     "generation_kwargs",
     "launch",
     "sync_weights",
+    "full_weights",
     "STRATEGIES",
     "SHARDING_STRATEGIES",
     # checkpoint

