@@ -4,8 +4,8 @@ AskThenCopy: the prompt is the digits followed by "="; turn 1 asks (its text sta
 the environment answers with the digits and "=", turn 2 copies them. The rubric:
 ``copied`` (weight 0.8: the digits of the last turn in place), ``asked`` (weight 0.2) and
 verifiers' own ``num_turns`` metric (weight 0). ``mode="raise"`` makes env_response fail on
-rows whose answer starts with "1", ``mode="hang"`` makes it sleep 30 s there; ``mode="final"`` ends the episode with a final
-environment response when turn 1 does not ask; ``mode="group"`` adds a group reward
+rows whose answer starts with "1", ``mode="hang"`` makes it sleep 30 s there; ``mode="final"`` ends
+the episode with a final environment response when turn 1 does not ask; ``mode="group"`` adds a group reward
 function (``longest``: 1 for the episodes of a row whose last turn is the longest).
 """
 

@@ -95,6 +95,15 @@ def test_chat_messages_go_through_the_chat_template(model):
                                                       "<|im_start|>assistant\n")
 
 
+def test_the_environment_s_tools_reach_the_chat_template_in_openai_form():
+    env = envs_module.load_environment()
+    env.tool_defs = [vf.Tool(name="add", description="a + b", parameters={"type": "object", "properties": {}})]
+    assert VerifiersEnvironment(env)().tools == [
+        {"type": "function", "function": {"name": "add", "description": "a + b",
+                                          "parameters": {"type": "object", "properties": {}}}}]
+    assert VerifiersEnvironment(env, chat=False)().tools is None
+
+
 def test_a_final_env_response_ends_the_episode(model):
     tokenizer = model[0]
     source = VerifiersEnvironment.load(ENV_ID, env_args={"mode": "final"}, chat=False)

@@ -206,7 +206,8 @@ class OpenEnvEnvironment(Environment):
         """Close the session without waiting (a hung server cannot stall the loop)."""
         client, self.client = self.client, None
         if client is not None:
-            threading.Thread(target=_close_quietly, args=(client,), daemon=True, name="torchforge-openenv-close").start()
+            closing = threading.Thread(target=_close_quietly, args=(client,), daemon=True, name="torchforge-openenv")
+            closing.start()
 
 
 def _close_quietly(client: Any) -> None:

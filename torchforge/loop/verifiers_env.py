@@ -98,17 +98,20 @@ def message_text(messages: Sequence[Any]) -> str:
         The contents, concatenated.
 
     Example:
-        >>> message_text([{"role": "user", "content": "12"}, {"role": "user", "content": [{"type": "text", "text": "="}]}])
+        >>> parts = [{"type": "text", "text": "="}]
+        >>> message_text([{"role": "user", "content": "12"}, {"role": "user", "content": parts}])
         '12='
     """
+    def field(item: Any, name: str) -> Any:
+        return item.get(name) if isinstance(item, dict) else getattr(item, name, None)
+
     out = []
     for message in messages:
-        content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
+        content = field(message, "content")
         if isinstance(content, str):
             out.append(content)
         elif isinstance(content, list):
-            out += [part.get("text", "") if isinstance(part, dict) else getattr(part, "text", "") or ""
-                    for part in content if (part.get("type") if isinstance(part, dict) else getattr(part, "type", None)) == "text"]
+            out += [field(part, "text") or "" for part in content if field(part, "type") == "text"]
     return "".join(out)
 
 
@@ -158,16 +161,17 @@ class VerifiersEnvironment:
         if not isinstance(chat, bool):
             raise InvalidArgumentError(f"{fn}: chat={chat!r}; expected True (chat messages) or False (text)")
         if parse_action is not None and not callable(parse_action):
-            raise InvalidArgumentError(f"{fn}: parse_action={parse_action!r}; expected a function from text to a message")
-        if isinstance(reward_weight, bool) or not isinstance(reward_weight, (int, float)) or not math.isfinite(reward_weight):
+            raise InvalidArgumentError(f"{fn}: parse_action={parse_action!r}; expected a function from text to a "
+                                       "message")
+        if isinstance(reward_weight, bool) or not isinstance(reward_weight, (int, float)) or not math.isfinite(
+                reward_weight):
             raise InvalidArgumentError(f"{fn}: reward_weight={reward_weight!r}; expected a finite number")
         if isinstance(score_timeout, bool) or not isinstance(score_timeout, (int, float)) or not score_timeout > 0:
             raise InvalidArgumentError(f"{fn}: score_timeout={score_timeout!r}; expected seconds > 0")
         self.env, self.chat, self.parse_action, self.reward_weight = env, chat, parse_action, float(reward_weight)
         self.score_timeout = float(score_timeout)
         tools = getattr(env, "tool_defs", None)
-        self.tools = [{"type": "function", "function": t.model_dump(exclude_none=True) if hasattr(t, "model_dump") else dict(t)}
-                      for t in tools] if tools and chat else None
+        self.tools = [{"type": "function", "function": _as_dicts([t])[0]} for t in tools] if tools and chat else None
         self.loop = _Loop()
         self._train_dataset: Any = None
 
@@ -183,6 +187,9 @@ class VerifiersEnvironment:
 
         Returns:
             The factory.
+
+        Example:
+            >>> source = VerifiersEnvironment.load("my-env", env_args={"difficulty": "easy"})  # doctest: +SKIP
         """
         vf = _require_verifiers("VerifiersEnvironment.load")
         if not isinstance(env_id, str) or not env_id:
@@ -228,6 +235,12 @@ class VerifiersEnvironment:
 
         Returns:
             ``(rewards, parts)``: float64 [B] and name -> float64 [B].
+
+        Example:
+            >>> batch, record = rollout_episodes(model, tokenizer, episodes, rows=rows, num_generations=2,
+            ...                                  max_turns=2, max_new_tokens_per_turn=8, max_total_tokens=64)  # doctest: +SKIP
+            >>> rewards, parts = source.score_episodes(episodes, num_generations=2,
+            ...                                        faulted=record.faulted.tolist())  # doctest: +SKIP
         """
         B, G = len(episodes), num_generations
         if B % G or len(faulted) != B:
@@ -259,7 +272,8 @@ class VerifiersEnvironment:
             for name in (state or {}).get("metrics") or {}:
                 if name not in names:
                     names.append(name)
-        rewards = torch.tensor([float(s["reward"] or 0.0) if s is not None else 0.0 for s in states], dtype=torch.float64)
+        rewards = torch.tensor([float(s["reward"] or 0.0) if s is not None else 0.0 for s in states],
+                               dtype=torch.float64)
         parts = {name: torch.tensor([float((s.get("metrics") or {}).get(name, math.nan)) if s is not None else math.nan
                                      for s in states], dtype=torch.float64) for name in names}
         return rewards, parts
