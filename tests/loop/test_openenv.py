@@ -272,3 +272,15 @@ def test_a_bad_openenv_block_is_one_line(tmp_path, capsys):
 
     assert main(["train", f"output_dir={tmp_path / 'o'}", "environment={openenv: http://127.0.0.1:1, actoin: m}"]) == 2
     assert "unknown setting environment.actoin; did you mean 'action'?" in capsys.readouterr().err
+
+
+def test_without_openenv_core_the_command_says_which_extra_in_one_line(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from torchforge.trainer.cli import main
+
+    monkeypatch.setitem(sys.modules, "openenv.core", None)  # as if not installed
+    assert main(["train", f"output_dir={tmp_path / 'o'}",
+                 "environment={openenv: 'http://127.0.0.1:1', action: message, observation: text}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "need the openenv-core package" in err[0] and "torchforge[openenv]" in err[0]

@@ -244,3 +244,14 @@ def test_a_bad_verifiers_block_is_one_line(tmp_path, capsys):
 
 def test_message_text():
     assert message_text([vf.UserMessage(content="12"), {"role": "user", "content": "="}]) == "12="
+
+
+def test_without_verifiers_the_command_says_which_extra_in_one_line(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from torchforge.trainer.cli import main
+
+    monkeypatch.setitem(sys.modules, "verifiers", None)  # as if not installed
+    assert main(["train", f"output_dir={tmp_path / 'o'}", f"environment={{verifiers: {ENV_ID}}}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "verifiers>=0.2,<0.4" in err[0] and "torchforge[verifiers]" in err[0]

@@ -53,9 +53,9 @@ _RESERVED_OBSERVATION = {"done", "reward", "metadata"}
 def _require_openenv(fn: str) -> Any:
     try:
         import openenv.core as core
-    except ImportError as error:
-        raise ImportError(f"{fn}: OpenEnv environments need the openenv-core package; "
-                          "pip install 'torchforge[openenv]'") from error
+    except ImportError:
+        raise InvalidArgumentError(f"{fn}: OpenEnv environments need the openenv-core package, which is not "
+                                   "installed; pip install 'torchforge[openenv]'") from None
     return core
 
 
@@ -294,8 +294,8 @@ def openenv_environment(
     """
     fn = "openenv_environment"
     _check_settings(fn, base_url, action, observation, reset, connect_timeout, message_timeout)
+    _require_openenv(fn)  # a missing package is one line here, before any model loads
     if action is None or observation is None:
-        _require_openenv(fn)
         schema = _schema(base_url, connect_timeout)
         if action is None:
             action = _only_field(fn, "action", text_fields(schema.get("action", {}), _RESERVED_ACTION), base_url)

@@ -59,9 +59,9 @@ def _require_verifiers(fn: str) -> Any:
         import verifiers as vf
 
         vf.Environment  # noqa: B018 - 0.4 has no classic API: fail here, in one line
-    except (ImportError, AttributeError) as error:
-        raise ImportError(f"{fn}: verifiers environments need verifiers' classic API (verifiers>=0.2,<0.4); "
-                          "pip install 'torchforge[verifiers]'") from error
+    except (ImportError, AttributeError):
+        raise InvalidArgumentError(f"{fn}: verifiers environments need verifiers' classic API (verifiers>=0.2,<0.4), "
+                                   "which is not installed; pip install 'torchforge[verifiers]'") from None
     return vf
 
 
