@@ -190,6 +190,9 @@ class RLTrainer:
             episode (``reset(row)``, ``step(action)``: :class:`torchforge.loop.environments.Environment`);
             each row plays ``num_generations`` episodes of up to ``config.max_turns`` turns,
             and ``reward_functions`` become optional (see :mod:`torchforge.trainer.episodes`).
+            A factory with a ``train_dataset`` (a verifiers environment,
+            :mod:`torchforge.loop.verifiers_env`) gives the rows when ``train_dataset`` is None;
+            OpenEnv servers: :mod:`torchforge.loop.openenv`.
 
     Returns:
         The trainer; :meth:`train` runs it.
