@@ -66,6 +66,16 @@ BENCHMARKS = {
              "a GRPO step with a KL penalty, full fine-tuning (reference = a deep copy) against LoRA "
              "(reference = the policy with its adapters disabled): weights, gradients, AdamW state, peak memory",
              "python benchmarks/bench_lora.py"),
+    "packing": ("bench_packing.py",
+                "a GRPO step (log-probs forward + backward, the loss) on a ~100M-parameter Llama, padded "
+                "against padding-free (packed sequences): time, tokens / s, peak memory, over length spreads",
+                "python benchmarks/bench_packing.py"),
+    "rollout": ("bench_rollout.py",
+                "generation engines side by side (HF `generate` with the seeded sampler, plain `generate`, vLLM "
+                "in process, vLLM as a server): tokens per second and weight-sync time at ~0.1M and 106M "
+                "parameters; one GRPO step of `RLTrainer` with each engine",
+                "python benchmarks/bench_rollout.py  # in the vLLM environment (README, Generation engines); "
+                "on a GPU: bash benchmarks/gpu_rollout.sh"),
 }
 
 START, END = "<!-- summary -->", "<!-- /summary -->"

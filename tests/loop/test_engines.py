@@ -184,7 +184,7 @@ def test_a_missing_vllm_is_one_line_naming_the_extra(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     for engine in ("vllm", "vllm-server"):
-        with pytest.raises(InvalidArgumentError, match=r'needs vLLM, which is not installed; install it with pip install "torchforge\[vllm\]"'):
+        with pytest.raises(InvalidArgumentError, match=r"needs vLLM, which is not installed; install it with pip install -e \".\[vllm\]\""):
             RLConfig(engine=engine)
 
 

@@ -179,6 +179,17 @@ def test_the_demo_trains_with_vllm_from_the_command_line(tmp_path, capsys):
     assert max(r["rollout/log_prob_gap"] for r in rows) < 1e-3
 
 
+def test_multi_turn_episodes_are_sampled_by_vllm(tmp_path):
+    run = tmp_path / "episodes"
+    assert main(["train", "--config", "examples/multi_turn.yaml", "engine=vllm", "max_steps=3", "learning_rate=1e-2",
+                 *QUICK, f"output_dir={run}"]) == 0
+    rows = _metrics(run)
+    assert [r["engine/weights_version"] for r in rows] == [1, 2, 3]
+    # the observation tokens are mask gaps: the engine's log-probs still match on the model's tokens
+    assert max(r["rollout/log_prob_gap"] for r in rows) < 1e-3
+    assert all(r["episodes/turns_mean"] >= 1 for r in rows)
+
+
 def test_a_users_model_trains_with_a_vllm_server_from_a_config(tmp_path):
     tokenizer = char_tokenizer()
     tiny_llama(tokenizer, num_heads=2).save_pretrained(tmp_path / "model")

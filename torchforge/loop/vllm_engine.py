@@ -186,20 +186,6 @@ class VLLMEngine:
             min_tokens=0,
         )
 
-    def _generate_here(self, prompt_token_ids: Sequence[Sequence[int]], seeds: Sequence[int],
-                       settings: SamplingSettings) -> list[Completion]:
-        if not prompt_token_ids:
-            return []
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids],
-                                    [self._sampling_params(settings, s) for s in seeds], use_tqdm=False)
-        completions = []
-        for output in outputs:
-            sample = output.outputs[0]
-            log_probs = [step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)]
-            completions.append(Completion(list(sample.token_ids), log_probs, truncated=sample.finish_reason == "length",
-                                          weights_version=self.weights_version))
-        return completions
-
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], *, seeds: Sequence[int],
                  settings: SamplingSettings) -> list[Completion]:
         check_requests("VLLMEngine.generate", prompt_token_ids, seeds)
