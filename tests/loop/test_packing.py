@@ -390,7 +390,6 @@ def test_trainer_padding_free_with_a_token_budget_equals_the_padded_trainer(tmp_
     _assert_runs_equal(padded, packed, keys=("loss", "reward", "kl", "grad_norm", "value_loss", "pg_loss"))
 
 
-@pytest.mark.slow
 def test_two_processes_with_token_budget_micro_batches_equal_one(tmp_path):
     # FSDP2 on 2 gloo processes, packed, micro-batches by tokens (the same number on both
     # processes, whatever their lengths) against one process, padded, whole batch
