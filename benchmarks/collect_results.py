@@ -70,10 +70,6 @@ BENCHMARKS = {
                 "a GRPO step (log-probs forward + backward, the loss) on a ~100M-parameter Llama, padded "
                 "against padding-free (packed sequences): time, tokens / s, peak memory, over length spreads",
                 "python benchmarks/bench_packing.py"),
-    "packing": ("bench_packing.py",
-                "a GRPO step (log-probs forward + backward, the loss) on a ~100M-parameter Llama, padded "
-                "against padding-free (packed sequences): time, tokens / s, peak memory, over length spreads",
-                "python benchmarks/bench_packing.py"),
     "rollout": ("bench_rollout.py",
                 "generation engines side by side (HF `generate` with the seeded sampler, plain `generate`, vLLM "
                 "in process, vLLM as a server): tokens per second and weight-sync time at ~0.1M and 106M "
