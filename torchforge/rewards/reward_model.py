@@ -219,7 +219,7 @@ class RewardModel(RewardFunction):
         """
         model = self.load()
         device = next(model.parameters()).device if self.device is None else self.device
-        ids = [list(self.tokenizer(text)["input_ids"]) for text in texts]
+        ids = [list(row) for row in self.tokenizer(list(texts))["input_ids"]] if texts else []
         if self.max_length is not None:
             ids = [row[-self.max_length:] for row in ids]  # keep the end: the completion
         chunks = [ids[i:i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
