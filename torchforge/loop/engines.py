@@ -119,6 +119,30 @@ class GenerationEngine(Protocol):
     ``update_weights`` loads new weights, by Hugging Face parameter name, and sets
     ``weights_version``; every completion sampled after it carries that version. Under
     ``torchrun`` every process calls both, with its own requests (collectives may run inside).
+    :func:`torchforge.testing.check_engine` checks an engine against this contract.
+
+    Args:
+        prompt_token_ids: (``generate``) one list of prompt ids per request, unpadded.
+        seeds: (``generate``) one int per request.
+        settings: (``generate``) the :class:`SamplingSettings` of every request.
+        weights: (``update_weights``) ``(name, tensor)`` pairs, Hugging Face names.
+        version: (``update_weights``) the weights' version (the optimizer step).
+
+    Returns:
+        ``generate``: one :class:`Completion` per request, in request order.
+
+    Example:
+        >>> class Echo:  # repeats the prompt's last token; log p = 0 (a point mass)
+        ...     weights_version = 0
+        ...     def generate(self, prompt_token_ids, *, seeds, settings):
+        ...         return [Completion([p[-1]], [0.0], truncated=True, weights_version=self.weights_version)
+        ...                 for p in prompt_token_ids]
+        ...     def update_weights(self, weights, *, version):
+        ...         self.weights_version = version
+        >>> isinstance(Echo(), GenerationEngine)
+        True
+        >>> Echo().generate([[3, 4]], seeds=[0], settings=SamplingSettings(max_new_tokens=1, stop_token_ids=(2,)))[0].token_ids
+        [4]
     """
 
     weights_version: int
