@@ -18,6 +18,7 @@ import pytest
 
 from torchforge.trainer.cli import main
 from torchforge.trainer.run_dir import (
+    RUN_FILES,
     StopOnInterrupt,
     earlier_run,
     holds_run,
@@ -177,6 +178,20 @@ def test_prepare_output_dir_rules(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(InvalidArgumentError, match="is a file; expected a folder"):
         prepare_output_dir(tmp_path / "file" / "run", resume=False, overwrite=False)
+
+
+def test_overwrite_deletes_every_file_of_the_earlier_run_and_keeps_the_users(tmp_path):
+    # the tracker runs too: a replaced run's wandb files and ids must not reach the new run
+    for name in RUN_FILES:
+        if "." in name:
+            (tmp_path / name).write_text("{}\n")
+        else:
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "x").write_text("")
+    (tmp_path / "notes.txt").write_text("mine")
+    assert {"trackers.json", "wandb", "final-merged"} <= set(RUN_FILES)
+    assert "deleted the earlier run" in prepare_output_dir(tmp_path, resume=False, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
 def test_stop_on_interrupt_turns_the_first_sigint_into_a_request():

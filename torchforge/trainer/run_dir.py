@@ -29,8 +29,10 @@ __all__ = [
     "prepare_output_dir", "check_writable", "truncate_metrics", "StopOnInterrupt",
 ]
 
-#: what a run writes into its output_dir
-RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "tensorboard", "curves.png")
+#: what a run writes into its output_dir (``trackers.json`` and ``wandb``: its tracker runs,
+#: which a new run in the folder must not continue or upload with its own)
+RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", "final-merged", "tensorboard", "curves.png",
+             "trackers.json", "wandb")
 #: what makes a folder hold a run: a logged step, a checkpoint or a final model (a run that
 #: failed before its first step leaves only config.yaml, and nothing is lost by replacing it)
 _RUN_MARKS = ("metrics.jsonl", "checkpoints", "final")
