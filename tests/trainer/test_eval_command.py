@@ -119,6 +119,23 @@ def test_torchforge_eval_on_a_saved_model_and_a_lora_folder(run, tmp_path, capsy
     assert printed == pytest.approx(direct, rel=1e-6)
 
 
+def test_torchforge_eval_applies_the_reward_timeout(run, tmp_path, monkeypatch, capsys):
+    # a grader that hangs on every call: with reward_timeout the eval ends, its samples scored
+    # reward_on_failure; the printed metrics say so
+    from torchforge.trainer.cli import main
+
+    (tmp_path / "hanging_grader.py").write_text("import time\n\ndef hangs(prompts, completions, **kw):\n"
+                                                "    time.sleep(3600)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in demo.copy_digits_dataset(2, seed=2)))
+    assert main(["eval", "--model", str(run.output_dir / "final"), "--dataset", str(data),
+                 "--reward-function", "hanging_grader:hangs", "num_eval_generations=2", "max_completion_length=3",
+                 "reward_timeout=0.5", "reward_on_failure=-1.0"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["eval/reward"] == -1.0 and printed["eval/greedy_reward"] == -1.0
+
+
 def test_eval_stops_at_eos_as_well_as_the_configured_stop_ids(run):
     # stop_token_ids adds stop ids to eos, in evaluation as in training
     from torchforge.loop import evaluate

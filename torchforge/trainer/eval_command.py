@@ -24,6 +24,7 @@ import torch
 from torchforge.errors import InvalidArgumentError
 from torchforge.loop.engines import ENGINES, make_engine
 from torchforge.loop.evaluate import evaluate
+from torchforge.loop.rewards import close_rewards, guard_rewards
 from torchforge.loop.rollout import completion_stop_ids
 
 __all__ = ["add_eval_parser", "eval_main", "evaluate_dataset"]
@@ -140,7 +141,9 @@ def eval_main(args: argparse.Namespace) -> int:
         if args.engine is not None:
             values["engine"] = args.engine
         config = RLConfig.from_dict({k: v for k, v in values.items() if k in names})
-        reward_functions = _reward_functions(paths)
+        # the run's reward_timeout / reward_processes: a grader that hangs costs a sample, not the eval
+        reward_functions = guard_rewards(_reward_functions(paths), timeout=config.reward_timeout,
+                                         processes=config.reward_processes, failure_reward=config.reward_on_failure)
         dataset = _dataset(args.dataset)
         model, tokenizer = _load(args.model)
     except InvalidArgumentError as error:
@@ -161,6 +164,7 @@ def eval_main(args: argparse.Namespace) -> int:
             engine.close()
         main_process = is_main_process()
     finally:
+        close_rewards(reward_functions)
         teardown_distributed()
     if main_process:
         print(json.dumps(metrics))
