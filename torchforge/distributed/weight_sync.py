@@ -7,6 +7,7 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchforge.distributed.parallelize import unwrap_model
 from torchforge.distributed.process_group import world_size
@@ -14,7 +15,7 @@ from torchforge.errors import InvalidArgumentError
 
 # --- generation and weight sync ----------------------------------------------------------
 
-def generation_kwargs() -> dict:
+def generation_kwargs(model: nn.Module | None = None) -> dict:
     """Extra keyword arguments for Hugging Face ``generate`` so that no rank deadlocks.
 
     Under FSDP every forward is a collective (parameters are all-gathered), so every rank
@@ -22,10 +23,12 @@ def generation_kwargs() -> dict:
     stepping a rank whose sequences have all stopped until every rank has stopped.
 
     Args:
-        None.
+        model: the model that generates; when given, ranks sync only if its parameters are
+            sharded (a generation copy with whole weights samples on its own, no collective).
 
     Returns:
-        ``{"synced_gpus": True}`` when ``world_size() > 1``, else ``{}``.
+        ``{"synced_gpus": True}`` when ``world_size() > 1`` (and ``model``, if given, is
+        sharded), else ``{}``.
 
     Example:
         >>> generation_kwargs()  # a single process
@@ -35,7 +38,11 @@ def generation_kwargs() -> dict:
         Every rank must also pass the same ``max_new_tokens``. Harmless with DDP (a
         forward there is not a collective; ranks just wait for the slowest one).
     """
-    return {"synced_gpus": True} if world_size() > 1 else {}
+    if world_size() == 1:
+        return {}
+    if model is not None and not any(isinstance(p, DTensor) for p in model.parameters()):
+        return {}
+    return {"synced_gpus": True}
 
 
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")

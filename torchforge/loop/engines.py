@@ -259,7 +259,7 @@ class HFEngine:
         try:
             out = inner.generate(
                 input_ids=prompt_tokens.to(device), attention_mask=prompt_mask.long().to(device),
-                generation_config=config, logits_processor=[sampler], **generation_kwargs(),
+                generation_config=config, logits_processor=[sampler], **generation_kwargs(inner),
             )
         finally:
             inner.train(was_training)

@@ -14,11 +14,12 @@ from torchforge.errors import InvalidArgumentError
 from torchforge.kl import KL_ESTIMATORS, KL_GRADIENTS
 from torchforge.loop.engines import check_engine_settings
 from torchforge.reduce import AGGREGATION_MODES
+from torchforge.trainer.async_generation import PARTIAL_ROLLOUTS
 from torchforge.trainer.lora import check_lora_settings
 from torchforge.trainer.tracking import check_report_to
 
 __all__ = ["RLConfig", "ALGORITHMS", "LR_SCHEDULERS", "REINFORCE_BASELINES", "POLICY_LOSSES",
-           "ROLLOUT_CORRECTIONS", "REWARD_AGGREGATIONS"]
+           "ROLLOUT_CORRECTIONS", "REWARD_AGGREGATIONS", "PROXIMAL_LOG_PROBS"]
 
 ALGORITHMS = ("grpo", "ppo", "reinforce")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -31,6 +32,8 @@ WEIGHTED_POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "reinforce")
 ROLLOUT_CORRECTIONS = ("none", "tis", "mask")
 #: ``RLConfig.reward_aggregation``: one reward of the weighted sum, or GDPO's per-reward normalization
 REWARD_AGGREGATIONS = ("weighted_sum", "normalize_then_sum")
+#: ``RLConfig.proximal_log_probs``: what the policy loss's ratio is taken against
+PROXIMAL_LOG_PROBS = ("recomputed", "sampler")
 
 
 @dataclass
@@ -200,6 +203,20 @@ class RLConfig:
             (``torchforge[trackio]``), or one name, or ``"none"``. The trackers get the run's
             config and every logged metric; a resumed run continues the same tracker run.
         run_name: the run's name in wandb / trackio; None: the ``output_dir`` folder's name.
+        async_generation: sample the next steps' batches in a generator thread while this
+            step trains (:mod:`torchforge.trainer.async_generation`), with a copy of the
+            policy for "hf" (a vLLM engine is already one); False: sample, then train.
+        max_staleness: with ``async_generation``, k >= 0: the batch of step s is sampled with
+            weights of step >= s - k (admission: none is ever discarded); 0 samples every
+            batch with the previous step's weights, as the synchronous run does.
+        partial_rollouts: with ``async_generation``, a batch in flight when new weights
+            arrive: "finish" (on its own weights; its tokens keep their version) or
+            "restart" (sampled again with the new ones).
+        proximal_log_probs: the ``old_log_probs`` the policy loss clips against: "recomputed"
+            (the weights at the start of the step, pi_prox; the sampler's distance from them
+            is ``rollout_correction``'s: decoupled PPO) or "sampler" (the engine's own
+            log-probs mu, as TRL's asynchronous trainer; ``rollout_correction`` then has
+            nothing left to correct).
 
     Returns:
         The validated config; ``InvalidArgumentError`` names the first bad field.
@@ -293,6 +310,10 @@ class RLConfig:
     reward_on_failure: float | None = 0.0
     report_to: list[str] | str = dataclasses.field(default_factory=lambda: ["tensorboard"])
     run_name: str | None = None
+    async_generation: bool = False
+    max_staleness: int = 1
+    partial_rollouts: str = "finish"
+    proximal_log_probs: str = "recomputed"
 
     def __post_init__(self) -> None:
         fn = "RLConfig"
@@ -361,6 +382,12 @@ class RLConfig:
         self.engine_args = check_engine_settings(self.engine, self.engine_args)
         if isinstance(self.engine_sync_steps, bool) or not isinstance(self.engine_sync_steps, int) or self.engine_sync_steps < 0:
             raise bad("engine_sync_steps", "an int >= 0 (1: sync after every step; 0: never)")
+        if not isinstance(self.async_generation, bool):
+            raise bad("async_generation", "True or False")
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise bad("max_staleness", "an int >= 0 (0: every batch sampled with the previous step's weights)")
+        choice("partial_rollouts", PARTIAL_ROLLOUTS)
+        choice("proximal_log_probs", PROXIMAL_LOG_PROBS)
         for name in ("num_generations", "max_completion_length", "prompts_per_step", "num_iterations",
                      "logging_steps", "max_turns"):
             positive_int(name)
@@ -462,6 +489,18 @@ class RLConfig:
             raise InvalidArgumentError(
                 f"{fn}: algorithm='reinforce' with num_iterations={self.num_iterations}; REINFORCE is "
                 "on-policy (no ratio clipping), expected num_iterations=1 (use 'grpo' or 'ppo' for several passes)"
+            )
+
+        if self.async_generation and self.dynamic_sampling:
+            raise InvalidArgumentError(
+                f"{fn}: async_generation with dynamic_sampling; expected one of them (dynamic sampling decides "
+                "how many rounds to draw from the whole step's rewards, across processes, before training)"
+            )
+        if self.async_generation and not 1 <= self.engine_sync_steps <= self.max_staleness + 1:
+            raise InvalidArgumentError(
+                f"{fn}: async_generation with engine_sync_steps={self.engine_sync_steps} and max_staleness="
+                f"{self.max_staleness}; expected 1 <= engine_sync_steps <= max_staleness + 1 (the generator waits "
+                "for weights at most max_staleness steps old, so they must be published that often)"
             )
 
     def _checked_reward_clip(self) -> list[float] | None:

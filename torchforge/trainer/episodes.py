@@ -102,15 +102,16 @@ def score_step(trainer: Any, batch: Batch, prompts: list[str], rows: list[dict[s
     return per_function
 
 
-def step_metrics(trainer: Any, batch: Batch) -> dict[str, float]:
+def step_metrics(record: Any, batch: Batch) -> dict[str, float]:
     """The episode metrics of the step, over every process (every process calls this).
 
     Args:
-        trainer: the RLTrainer, after :func:`rollout_step`.
+        record: the episodes of the step's batch (what :func:`rollout_step` left as
+            ``trainer.episodes`` when it sampled that batch).
         batch: the step's batch.
 
     Returns:
         ``episodes/turns_mean``, ``episodes/env_seconds_per_step``, ``episodes/truncated_frac``,
         ``episodes/faulted_frac``, ``episodes/reward_per_turn``.
     """
-    return episode_metrics(reduce_metric_sums(trainer.episodes.metric_sums(batch.truncated.cpu())))
+    return episode_metrics(reduce_metric_sums(record.metric_sums(batch.truncated.cpu())))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -75,6 +76,7 @@ from torchforge.loop.update import metric_reduction
 from torchforge.reduce import Aggregation, masked_mean, masked_var
 from torchforge.trainer import episodes
 from torchforge.trainer.algorithms import Algorithm, algorithm_from_name
+from torchforge.trainer.async_generation import AsyncGenerator
 from torchforge.trainer.config import RLConfig
 from torchforge.trainer.lora import (
     adapters_disabled,
@@ -243,6 +245,9 @@ class RLTrainer:
         self.step = 0
         self.history: list[dict[str, float]] = []
         self._order_cache: tuple[int, torch.Tensor] | None = None
+        self._generator: AsyncGenerator | None = None
+        self._sampling_lock = threading.Lock()  # async: the generator's sampling, or an evaluation
+        self._trained_episodes = None  # the episodes of the batch being trained (multi-turn)
 
     def _check_new_run(self) -> None:
         """One run per folder (:mod:`torchforge.trainer.run_dir`): unless resuming, never write
@@ -339,6 +344,11 @@ class RLTrainer:
         """The policy (sharded), the frozen reference copy when needed, the algorithm's modules."""
         model = model.to(self.device)
         self.algorithm.setup(self.config, model)
+        # async_generation with "hf": the generator samples with its own copy, loaded with the
+        # published weights, while the policy trains (the base model with LoRA: merged weights)
+        self._generation_model = None
+        if self.config.async_generation and self.config.engine == "hf":
+            self._generation_model = copy.deepcopy(model).eval().requires_grad_(False)
         if self.peft_config is not None:  # LoRA: only the adapters train
             model = apply_lora(model, self.peft_config, seed=self.config.seed)
         self.ref_model = None
@@ -380,6 +390,9 @@ class RLTrainer:
         itself, or a vLLM engine loaded with the policy's weights (merged, with LoRA)."""
         cfg = self.config
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        if self._generation_model is not None:
+            self.engine = HFEngine(self._generation_model, pad_token_id=pad)
+            return
         weights = None if cfg.engine == "hf" else self._engine_weights()
         self.engine = make_engine(cfg.engine, self.model, self.tokenizer, engine_args=cfg.engine_args,
                                   weights=weights, pad_token_id=pad)
@@ -395,6 +408,7 @@ class RLTrainer:
         Returns:
             None.
         """
+        self._close_generator()
         close = getattr(self.engine, "close", None)
         if callable(close):
             close()
@@ -481,12 +495,18 @@ class RLTrainer:
             name -> float.
         """
         start = time.perf_counter()
-        self._reward_failures(reduce=False)  # count this step's failures only (not an evaluation's before it)
-        batch, prompts, rows = self._rollout(step)
-        per_function = self._score(batch, prompts, rows)
-        sampling = {}
-        if self.config.dynamic_sampling:
-            batch, per_function, sampling = self._dynamic_sampling(step, batch, per_function)
+        sampling: dict[str, float] = {}
+        if self.config.async_generation:  # sampled ahead by the generator thread
+            sampled, sampling = self._started_generator(step).take(step)
+            batch, prompts, rows, per_function, self._trained_episodes, failures = sampled.payload
+        else:
+            self._pop_reward_failures()  # count this step's failures only (not an evaluation's before it)
+            batch, prompts, rows = self._rollout(step)
+            per_function = self._score(batch, prompts, rows)
+            self._trained_episodes = getattr(self, "episodes", None)
+            if self.config.dynamic_sampling:
+                batch, per_function, sampling = self._dynamic_sampling(step, batch, per_function)
+            failures = self._pop_reward_failures()
         counted = self._counted_completions(self._update_rewards(batch, per_function))
         self._reference_log_probs(counted)
         self.algorithm.prepare(counted)
@@ -499,18 +519,55 @@ class RLTrainer:
         if batch.policy_version is not None:
             metrics["rollout/staleness"] = step - float(batch.policy_version.double().mean())
         every = self.config.engine_sync_steps
-        if self._engine_is_policy() or (every and (step + 1) % every == 0):
+        if self.config.async_generation:
+            metrics["async/staleness"] = metrics["rollout/staleness"]
+            if (step + 1) % every == 0:
+                metrics["engine/sync_seconds"] = self._publish_weights(step + 1)
+        elif self._engine_is_policy() or (every and (step + 1) % every == 0):
             metrics["engine/sync_seconds"] = self._sync_engine(step + 1)
         metrics["engine/weights_version"] = float(self.engine.weights_version)
-        return {**metrics, **sampling, **self._reward_failures()}
+        failures = {k: float(v) for k, v in reduce_metric_sums(failures).items()}
+        return {**metrics, **sampling, **failures}
 
-    def _reward_failures(self, *, reduce: bool = True) -> dict[str, float]:
-        """``rewards/<name>/timeouts`` and ``/crashes``: completions of guarded reward functions
-        whose call timed out or crashed since the last call, summed over processes (with ``reduce``)."""
-        counts = {f"rewards/{key}/{kind}": torch.tensor(float(n))
-                  for key, f in zip(reward_keys(self.reward_functions), self.reward_functions)
-                  if isinstance(f, GuardedReward) for kind, n in f.pop_failures().items()}
-        return {k: float(v) for k, v in reduce_metric_sums(counts).items()} if reduce else {}
+    def _pop_reward_failures(self) -> dict[str, torch.Tensor]:
+        """``rewards/<name>/timeouts`` and ``/crashes``: this process's completions of guarded
+        reward functions whose call timed out or crashed since the last call (to sum over processes)."""
+        return {f"rewards/{key}/{kind}": torch.tensor(float(n))
+                for key, f in zip(reward_keys(self.reward_functions), self.reward_functions)
+                if isinstance(f, GuardedReward) for kind, n in f.pop_failures().items()}
+
+    # --- asynchronous generation --------------------------------------------------------------
+
+    def _sample_step(self, step: int) -> tuple:
+        """The generator thread's work for ``step``: sample, score, and what the update needs of it."""
+        batch, prompts, rows = self._rollout(step)
+        per_function = self._score(batch, prompts, rows)
+        record = getattr(self, "episodes", None) if self.environment_factory is not None else None
+        return batch, prompts, rows, per_function, record, self._pop_reward_failures()
+
+    def _started_generator(self, step: int) -> AsyncGenerator:
+        """The generator thread, started at ``step`` when it is not running yet."""
+        if self._generator is None:
+            self._generator = AsyncGenerator(
+                self._sample_step, self.engine, start=step, end=self.total_steps,
+                version=self.engine.weights_version, max_staleness=self.config.max_staleness,
+                partial_rollouts=self.config.partial_rollouts, lock=self._sampling_lock).start_thread()
+        return self._generator
+
+    def _publish_weights(self, version: int) -> float:
+        """Hand the generator the weights of ``version`` (gathered here, a collective under FSDP;
+        copied, since training goes on in place); returns the seconds it took."""
+        start = time.perf_counter()
+        weights = [(name, tensor.detach().clone()) for name, tensor in self._engine_weights()]
+        self._generator.publish(version, weights)
+        return time.perf_counter() - start
+
+    def _close_generator(self, timeout: float | None = 60.0) -> None:
+        """Stop the generator thread after the batch it samples (the batches ahead are dropped:
+        a resumed run samples them again, for the same prompts)."""
+        if self._generator is not None:
+            self._generator.close(timeout)
+            self._generator = None
 
     def _dynamic_sampling(self, step: int, batch: Batch, per_function: dict[str, torch.Tensor]
                           ) -> tuple[Batch, dict[str, torch.Tensor], dict[str, float]]:
@@ -640,7 +697,8 @@ class RLTrainer:
             with adapters_disabled(self.ref_model):  # LoRA: the policy without its adapters
                 batch.ref_log_probs = self._log_probs_no_grad(self.ref_model, batch)
         if _flag(self.algorithm, "needs_old_log_probs_in_prepare"):
-            batch.old_log_probs = self._log_probs_no_grad(self.model, batch)
+            sampler = self._proximal_log_probs(batch)
+            batch.old_log_probs = sampler if sampler is not None else self._log_probs_no_grad(self.model, batch)
         if self.config.top_entropy_quantile < 1:  # the step's threshold: every counted token of every process
             entropy = torch.cat([self._log_probs(self.model, part, grad=False, entropy=True)[1]
                                  for part in self._micro_batches(batch)])
@@ -662,11 +720,16 @@ class RLTrainer:
         """The algorithm's ``(loss, metrics)`` of one micro-batch, after its forward (with grad)."""
         log_probs, entropy = self._log_probs(self.model, part, grad=True, entropy=True)
         part.log_probs = log_probs
-        if part.old_log_probs is None:  # the first pass runs before any update: on-policy
-            part.old_log_probs = log_probs.detach()
+        sampler = self._proximal_log_probs(part)
+        if part.old_log_probs is None:  # the first pass runs before any update: pi_prox, the step's weights
+            part.old_log_probs = sampler if sampler is not None else log_probs.detach()
         # the canary: the sampler's log-probs against the first pass's (~0 when they share weights)
         if getattr(part, "rollout_log_probs", None) is not None:
-            logged_gap = rollout_log_prob_gap(part.old_log_probs, part.rollout_log_probs, part.mask)
+            trainer_side = part.old_log_probs if sampler is None else log_probs.detach()
+            logged_gap = rollout_log_prob_gap(trainer_side, part.rollout_log_probs, part.mask)
+            if self.config.async_generation:  # the second factor pi_prox / mu (ratio_mean is the first)
+                behaviour = (part.old_log_probs - part.rollout_log_probs).clamp(max=20).exp()
+                logged_gap["async/behaviour_ratio_mean"] = masked_mean(behaviour, part.mask)
         else:
             logged_gap = {}
         weights, correction = self.algorithm.correction_weights(part, entropy)  # rollout_correction, top entropy
@@ -678,6 +741,16 @@ class RLTrainer:
         if self.config.entropy_coef > 0:  # the entropy bonus, on the counted tokens, aggregated as the loss
             loss = loss - self.config.entropy_coef * aggregation(entropy, part.mask)
         return loss, {**metrics, **logged, **logged_gap, "entropy": masked_mean(entropy.detach(), part.mask)}
+
+    def _proximal_log_probs(self, batch: Batch) -> torch.Tensor | None:
+        """``proximal_log_probs="sampler"``: the engine's log-probs as ``old_log_probs`` (the
+        loss clips pi_theta / mu); None for "recomputed" (the step's weights, pi_prox)."""
+        if self.config.proximal_log_probs != "sampler":
+            return None
+        if batch.rollout_log_probs is None:
+            raise TorchforgeError("RLTrainer: proximal_log_probs='sampler' but the batch has no rollout_log_probs; "
+                                  "expected the engine's log-probs of every sampled token")
+        return batch.rollout_log_probs.to(batch.mask.device)
 
     def _checked_loss_output(self, out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``compute_loss``'s ``(loss, metrics)``, or an error naming what it returned instead."""
@@ -760,7 +833,7 @@ class RLTrainer:
         out["tokens_per_second"] = total["_tokens"] / seconds
         out["step_time"] = seconds
         if self.environment_factory is not None:
-            out.update(episodes.step_metrics(self, batch))
+            out.update(episodes.step_metrics(self._trained_episodes, batch))
         return out
 
     # --- the run ------------------------------------------------------------------------------
@@ -793,10 +866,15 @@ class RLTrainer:
 
         if self.eval_dataset is None:
             raise InvalidArgumentError("RLTrainer.evaluate: no eval_dataset was given")
-        with self._autocast_context():
-            return evaluate_dataset(self.model, self.tokenizer, self.eval_dataset, self.reward_functions,
-                                    self.config, render=self._render, stop_token_ids=self.stop_ids,
-                                    engine=self.engine)
+        # async_generation: the engine may hold older weights (and is the generator's): evaluate
+        # the trained ones with Hugging Face generate, the reward functions not shared meanwhile
+        engine = None if self.config.async_generation else self.engine
+        with self._sampling_lock, self._autocast_context():
+            metrics = evaluate_dataset(self.model, self.tokenizer, self.eval_dataset, self.reward_functions,
+                                       self.config, render=self._render, stop_token_ids=self.stop_ids,
+                                       engine=engine)
+            self._pop_reward_failures()  # an evaluation's failures are not a training step's
+        return metrics
 
     def resume(self) -> int:
         """Load the newest checkpoint in ``output_dir``; returns the steps it had done (0 if none).
@@ -865,6 +943,7 @@ class RLTrainer:
                 if interrupt.requested():
                     self._stop_interrupted(last_saved)
         finally:
+            self._close_generator()  # async: after the batch in flight; nothing trains on it
             logger.close()
             interrupt.close()
             close_rewards(self.reward_functions)  # reward worker processes (they restart if used again)
