@@ -60,6 +60,12 @@ prints a skip line and compares torchforge with the hand-written loop.
 Usage: python benchmarks/bench_loop.py [--quick] [--profile] [--threads N] [--steps N] [--settings short,long]
 Writes benchmarks/results/loop.md (not with --quick).
 
+``--async`` runs only the asynchronous-generation section instead: the same GRPO run
+synchronous (2 threads, and 1) against ``async_generation`` at ``max_staleness`` 1 and 2
+(generator and trainer on one thread each): ms per step, the share of time each side waits,
+staleness, reward; then the reward curves of the ways to correct stale samples, and writes
+benchmarks/results/loop_async.md (see :func:`async_comparison`).
+
 ``--multi-turn`` runs only the multi-turn section instead: ``rollout_episodes`` (K turns
 with an environment) against one ``rollout`` of the same total length, and writes
 benchmarks/results/loop_multi_turn.md (see :func:`multi_turn_overhead`).
@@ -98,6 +104,7 @@ except ImportError:  # the TRL variant is skipped
 SETTINGS = {
     "short": dict(max_completion_length=4, no_eos=False),
     "long": dict(max_completion_length=32, no_eos=True),
+    "medium": dict(max_completion_length=16, no_eos=True),
 }
 PROMPTS, G, LR, CLIP = 16, 8, 3e-3, 0.2
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -684,6 +691,139 @@ def multi_turn_overhead(args) -> str:
     return "\n".join(lines)
 
 
+# --- asynchronous generation ------------------------------------------------------------------
+
+#: the throughput variants of ``--async``: (label, RLConfig changes, torch threads of the trainer)
+ASYNC_VARIANTS = (
+    ("sync, 2 threads", {}, 2),
+    ("sync, 1 thread", {}, 1),
+    ("async, max_staleness=1", dict(async_generation=True, max_staleness=1, generator_threads=1), 1),
+    ("async, max_staleness=2", dict(async_generation=True, max_staleness=2, generator_threads=1), 1),
+    ("async, max_staleness=1, hf-process", dict(async_generation=True, max_staleness=1, engine="hf-process",
+                                                engine_args={"threads": 1}), 1),
+    ("async, max_staleness=2, hf-process", dict(async_generation=True, max_staleness=2, engine="hf-process",
+                                                engine_args={"threads": 1}), 1),
+)
+#: the reward-curve variants of ``--async``: how a stale sample's ratio is corrected
+CORRECTION_VARIANTS = (
+    ("sync (on-policy)", {}),
+    ("async k=1: clip vs recomputed pi_prox, TIS on pi_prox/mu (decoupled PPO)",
+     dict(async_generation=True, max_staleness=1, rollout_correction="tis")),
+    ("async k=1: clip vs recomputed pi_prox, no behaviour weight (Meta's forge)",
+     dict(async_generation=True, max_staleness=1)),
+    ("async k=1: clip vs the sampler's mu (TRL's async trainer)",
+     dict(async_generation=True, max_staleness=1, proximal_log_probs="sampler")),
+)
+
+
+def _timed_run(tokenizer, dataset, setting, workdir, changes, steps, threads):
+    """One RLTrainer run of ``steps`` steps; per-step wall intervals, the sync run's sampling
+    time, and the history."""
+    torch.set_num_threads(threads)
+    cfg = demo_config(max_completion_length=setting["max_completion_length"], learning_rate=LR, max_steps=steps,
+                      save_steps=None, progress_bar=False, output_dir=str(workdir), report_to="none", **changes)
+    trainer = RLTrainer(model=build_model(tokenizer, setting["no_eos"]), tokenizer=tokenizer, config=cfg,
+                        reward_functions=[CopyDigitsReward()], train_dataset=dataset)
+    ends, sampling = [], []
+    train_step, rollout = trainer.train_step, trainer._rollout
+
+    def timed_step(step):
+        metrics = train_step(step)
+        ends.append(time.perf_counter())
+        return metrics
+
+    def timed_rollout(*a, **k):  # the synchronous run's sampling time (the generator's is logged)
+        start = time.perf_counter()
+        out = rollout(*a, **k)
+        sampling.append(time.perf_counter() - start)
+        return out
+
+    trainer.train_step, trainer._rollout = timed_step, timed_rollout
+    begin = time.perf_counter()
+    try:
+        trainer.train()
+    finally:
+        trainer.close_engine()
+    intervals = [b - a for a, b in zip([begin] + ends[:-1], ends)]
+    return intervals, sampling, trainer.history
+
+
+def async_comparison(args) -> str:
+    """``--async``: the same GRPO run synchronous and asynchronous, side by side."""
+    tokenizer = char_tokenizer()
+    dataset = copy_digits_dataset(4096, seed=0)
+    setting = SETTINGS[args.async_setting]
+    skip = max(2, args.warmup)
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        results = {label: [] for label, _, _ in ASYNC_VARIANTS}
+        for rep in range(args.async_repeats):  # interleaved repeats: load changes hit every variant
+            for label, changes, threads in ASYNC_VARIANTS:
+                out = _timed_run(tokenizer, dataset, setting, Path(d) / f"t{rep}-{len(rows)}-{label[:5]}", changes,
+                                 args.async_steps, threads)
+                results[label].append(out)
+                rows.append(label)
+                print(f"[{label}: {statistics.median(out[0][skip:]) * 1e3:.0f} ms/step]", flush=True)
+        curves = {}
+        for label, changes in CORRECTION_VARIANTS:
+            _, _, history = _timed_run(tokenizer, dataset, SETTINGS["short"], Path(d) / f"c-{len(curves)}",
+                                       dict(changes, generator_threads=1) if changes else changes,
+                                       args.curve_steps, 1 if changes else 2)
+            curves[label] = [h["reward"] for h in history]
+            print(f"[{label}: reward {curves[label][-1]:.3f}]", flush=True)
+    torch.set_num_threads(args.threads)
+
+    base = statistics.median(x for out in results["sync, 2 threads"] for x in out[0][skip:])
+    lines = [
+        "## Asynchronous generation: the same GRPO run synchronous and asynchronous (`bench_loop.py --async`)",
+        "",
+        f"Machine: {machine()}. The demo task (16 prompts x 8 samples, GRPO, lr {LR}, fp32) on the "
+        f"{args.async_setting!r} setting (max_completion_length={setting['max_completion_length']}"
+        f"{', an LM head that never samples eos' if setting['no_eos'] else ''}); {args.async_steps} steps per run, "
+        f"{args.async_repeats} interleaved runs per variant, the first {skip} steps of each run not counted. "
+        "Asynchronous runs: the generator thread and the trainer on one torch thread each (`generator_threads=1`, "
+        "`torch.set_num_threads(1)`); synchronous runs with 2 threads (both cores for each phase) and with 1.",
+        "",
+        "| variant | ms / step (median) | steps / s vs sync, 2 threads | sampling ms / step | trainer waits | "
+        "generator waits | staleness (mean) | reward, last 10 steps |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for label, _, _ in ASYNC_VARIANTS:
+        runs = results[label]
+        step = statistics.median(x for out in runs for x in out[0][skip:])
+        histories = [h for out in runs for h in out[2][skip:]]
+        total = sum(x for out in runs for x in out[0][skip:])
+        if "async" in label:
+            sampling = statistics.median(h["async/generation_seconds"] for h in histories)
+            trainer_wait = sum(h["async/trainer_wait_seconds"] for h in histories) / total
+            generator_wait = sum(h["async/generator_wait_seconds"] for h in histories) / total
+            waits = f"{trainer_wait:.0%} | {generator_wait:.0%}"
+            staleness = f"{statistics.mean(h['async/staleness'] for h in histories):.2f}"
+        else:
+            sampling = statistics.median(x for out in runs for x in out[1][skip:])
+            share = sum(x for out in runs for x in out[1][skip:]) / total
+            waits = f"{share:.0%} (sampling) | {1 - share:.0%} (training)"
+            staleness = "0"
+        reward = statistics.mean(h["reward"] for out in runs for h in out[2][-10:])
+        lines.append(f"| {label} | {step * 1e3:.0f} | {base / step:.2f}x | {sampling * 1e3:.0f} | {waits} | "
+                     f"{staleness} | {reward:.3f} |")
+    lines += [
+        "",
+        "In the synchronous rows the two wait columns are the shares of the step spent sampling (the trainer "
+        "idle) and training (the sampler idle).",
+        "",
+        f"### Reward curves at staleness 1, {args.curve_steps} steps of the 'short' demo",
+        "",
+        "| variant | reward, first 10 steps | 10 steps mid-run | last 10 steps |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for label, rewards in curves.items():
+        middle = len(rewards) // 2
+        lines.append(f"| {label} | {statistics.mean(rewards[:10]):.3f} | "
+                     f"{statistics.mean(rewards[middle - 5:middle + 5]):.3f} | {statistics.mean(rewards[-10:]):.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="short setting, 1 warm-up + 4 timed steps")
@@ -692,7 +832,7 @@ def main():
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
     parser.add_argument("--block", type=int, default=1, help="steps per variant per interleaved round")
-    parser.add_argument("--settings", default="short,long")
+    parser.add_argument("--settings", default="short,long", help="of short, long (and medium)")
     parser.add_argument("--profile", action="store_true",
                         help="also time the phases of torchforge's step and of the hand-written loop")
     parser.add_argument("--profile-steps", type=int, default=20)
@@ -700,7 +840,23 @@ def main():
     parser.add_argument("--multi-turn", action="store_true",
                         help="only the multi-turn section: rollout_episodes vs a single-turn rollout "
                              "(writes results/loop_multi_turn.md)")
+    parser.add_argument("--async", dest="async_run", action="store_true",
+                        help="only the asynchronous-generation section: sync against async at max_staleness 1 "
+                             "and 2, and the reward curves of the stale-sample corrections "
+                             "(writes results/loop_async.md)")
+    parser.add_argument("--async-setting", default="long", choices=sorted(SETTINGS))
+    parser.add_argument("--async-steps", type=int, default=20, help="steps per throughput run")
+    parser.add_argument("--async-repeats", type=int, default=2, help="interleaved runs per throughput variant")
+    parser.add_argument("--curve-steps", type=int, default=150, help="steps per reward-curve run")
     args = parser.parse_args()
+    if args.async_run:
+        if args.quick:
+            args.async_steps, args.async_repeats, args.curve_steps = 6, 1, 12
+        text = async_comparison(args)
+        print(text)
+        if not args.quick:
+            (Path(__file__).parent / "results" / "loop_async.md").write_text(text)
+        return
     if args.multi_turn:
         torch.set_num_threads(args.threads)
         text = multi_turn_overhead(args)

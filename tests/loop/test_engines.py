@@ -168,7 +168,7 @@ def test_the_default_engine_is_the_policy_and_logs_versions(tmp_path):
 
 def test_engine_settings_are_checked():
     assert check_engine_settings("hf", None) == {}
-    with pytest.raises(InvalidArgumentError, match=r"engine='sglang'; expected one of \['hf', 'vllm', 'vllm-server'\]"):
+    with pytest.raises(InvalidArgumentError, match=r"engine='sglang'; expected one of \['hf', 'hf-process', 'vllm', 'vllm-server'\]"):
         RLConfig(engine="sglang")
     with pytest.raises(InvalidArgumentError, match=r"engine_args \['dtype'\] with engine='hf', which takes none"):
         RLConfig(engine_args={"dtype": "float32"})
@@ -202,3 +202,58 @@ def test_sampling_settings_are_checked():
         with pytest.raises(InvalidArgumentError, match=message):
             SamplingSettings(**values)
     assert not math.isnan(SamplingSettings(max_new_tokens=1, stop_token_ids=[2]).temperature)
+
+
+# --- HFProcessEngine: the seeded sampler in a worker process -----------------------------------
+
+def test_process_engine_passes_the_conformance_checks_and_equals_hf_engine(model):
+    from torchforge.loop.process_engine import HFProcessEngine
+
+    engine = HFProcessEngine(model)
+    try:
+        check_engine(engine, model)
+        settings = SamplingSettings(max_new_tokens=5, temperature=0.9, top_k=7, stop_token_ids=(2,))
+        requests, seeds = [[8, 4, 11], [9, 5]] * 3, request_seeds(3, range(6), 1)
+        here = HFEngine(model).generate(requests, seeds=seeds, settings=settings)
+        there = engine.generate(requests, seeds=seeds, settings=settings)
+        assert [c.token_ids for c in there] == [c.token_ids for c in here]
+        for a, b in zip(there, here):
+            assert a.log_probs == pytest.approx(b.log_probs, abs=1e-5)
+    finally:
+        engine.close()
+    with pytest.raises(Exception, match="the worker process is not running"):
+        engine.generate([[8]], seeds=[0], settings=settings)
+
+
+def test_process_engine_worker_that_dies_is_an_error_not_a_hang(model):
+    from torchforge.loop.process_engine import HFProcessEngine
+
+    engine = HFProcessEngine(model, timeout=30)
+    engine._process.kill()
+    engine._process.join(10)
+    settings = SamplingSettings(max_new_tokens=2, stop_token_ids=(2,))
+    with pytest.raises(Exception, match=r"worker process is not running \(exit code -9\)"):
+        engine.generate([[8, 4]], seeds=[0], settings=settings)
+    engine.close()
+    with pytest.raises(InvalidArgumentError, match=r"engine_args has \['port'\], which engine='hf-process' does "
+                                                   r"not take; expected some of \['threads', 'timeout'\]"):
+        check_engine_settings("hf-process", {"port": 1})
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_the_trainer_samples_through_a_process_engine(tmp_path, asynchronous):
+    # synchronous: the engine gets the weights after every step and the gap stays at float32
+    # noise; asynchronous: it samples beside the trainer, within max_staleness
+    changes = dict(async_generation=True, max_staleness=1) if asynchronous else {}
+    trainer = _trainer(tmp_path, f"process-{asynchronous}", engine="hf-process", engine_args={"threads": 1},
+                       **changes)
+    try:
+        trainer.train()
+    finally:
+        trainer.close_engine()
+    assert not trainer.engine._process.is_alive()
+    for h in trainer.history:
+        if not asynchronous:
+            assert h["engine/weights_version"] == h["step"] and h["rollout/log_prob_gap"] < 1e-5
+        else:
+            assert 0 <= h["async/staleness"] <= 1

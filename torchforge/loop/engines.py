@@ -36,7 +36,7 @@ __all__ = ["SamplingSettings", "Completion", "GenerationEngine", "HFEngine", "re
            "check_engine_settings", "ENGINES"]
 
 #: the engines ``RLConfig(engine=...)`` names
-ENGINES = ("hf", "vllm", "vllm-server")
+ENGINES = ("hf", "hf-process", "vllm", "vllm-server")
 
 
 @dataclass(frozen=True)
@@ -290,6 +290,10 @@ class HFEngine:
 
 
 def _engine_class(name: str) -> type:
+    if name == "hf-process":
+        from torchforge.loop.process_engine import HFProcessEngine
+
+        return HFProcessEngine
     from torchforge.loop.vllm_engine import VLLMEngine, VLLMServerEngine
 
     return {"vllm": VLLMEngine, "vllm-server": VLLMServerEngine}[name]
@@ -328,10 +332,11 @@ def check_engine_settings(engine: str, engine_args: dict[str, Any] | None) -> di
         return {}
     from torchforge.loop.vllm_engine import VLLM_INSTALL
 
-    if importlib.util.find_spec("vllm") is None:
+    if engine.startswith("vllm") and importlib.util.find_spec("vllm") is None:
         raise InvalidArgumentError(f"{fn}: engine={engine!r} needs vLLM, which is not installed; install it with {VLLM_INSTALL}")
     cls = _engine_class(engine)
-    own = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "model", "llm_args")]
+    own = [p for p in inspect.signature(cls.__init__).parameters
+           if p not in ("self", "model", "llm_args", "weights", "pad_token_id")]
     known = set(own)
     if engine == "vllm":  # the rest goes to vllm.LLM, whose settings are EngineArgs' fields
         from vllm.engine.arg_utils import EngineArgs
@@ -351,7 +356,7 @@ def make_engine(engine: str, model: nn.Module, tokenizer: Any, *, engine_args: d
     """The engine ``RLConfig(engine=..., engine_args=...)`` names, over ``model`` (every process calls this).
 
     Args:
-        engine: "hf", "vllm" or "vllm-server".
+        engine: one of :data:`ENGINES`.
         model: the policy being trained (plain, DDP, FSDP2).
         tokenizer: its tokenizer.
         engine_args: the engine's arguments (:func:`check_engine_settings`).
@@ -371,6 +376,8 @@ def make_engine(engine: str, model: nn.Module, tokenizer: Any, *, engine_args: d
     if engine == "hf":
         return HFEngine(model, pad_token_id=pad_token_id)
     cls = _engine_class(engine)
+    if engine == "hf-process":
+        return cls(model, weights=weights, pad_token_id=pad_token_id, **args)
     if engine == "vllm-server" and "url" in args:  # a running server: load this model's weights into it
         server = cls(**args)
         from torchforge.distributed import full_weights

@@ -84,6 +84,8 @@ class AsyncGenerator:
         partial_rollouts: one of :data:`PARTIAL_ROLLOUTS`.
         lock: held while the engine samples or loads weights (the trainer's evaluation
             may share the engine).
+        threads: torch's intra-op threads in the generator thread (they are per thread);
+            None: torch's default.
 
     Returns:
         The generator; :meth:`start_thread` starts it.
@@ -105,7 +107,8 @@ class AsyncGenerator:
     """
 
     def __init__(self, sample: Callable[[int], Any], engine: Any, *, start: int, end: int, version: int,
-                 max_staleness: int, partial_rollouts: str = "finish", lock: threading.Lock | None = None) -> None:
+                 max_staleness: int, partial_rollouts: str = "finish", lock: threading.Lock | None = None,
+                 threads: int | None = None) -> None:
         fn = "AsyncGenerator"
         if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
             raise InvalidArgumentError(f"{fn}: max_staleness={max_staleness!r}; expected an int >= 0")
@@ -116,6 +119,7 @@ class AsyncGenerator:
         self.next_step, self.end = start, end
         self.max_staleness, self.partial_rollouts = max_staleness, partial_rollouts
         self.lock = lock or threading.Lock()
+        self.threads = threads
         self._published: tuple[int, list[tuple[str, torch.Tensor]] | None] = (version, None)
         self._ready: list[SampledStep] = []
         self._error: BaseException | None = None
@@ -221,6 +225,8 @@ class AsyncGenerator:
 
     def _run(self) -> None:
         try:
+            if self.threads is not None:
+                torch.set_num_threads(self.threads)
             while self.next_step < self.end:
                 step, waited = self.next_step, time.perf_counter()
                 with self._changed:

@@ -177,6 +177,8 @@ class RLConfig:
             (faulted); None waits forever.
         engine: what samples the completions (``torchforge.loop.engines``): "hf" (Hugging
             Face ``generate`` with the seeded sampler, on the trained weights themselves),
+            "hf-process" (the same sampler in a worker process, on a shared-memory copy: CPU
+            only, what lets ``async_generation`` overlap without sharing the GIL),
             "vllm" (vLLM in this process; ``torchforge[vllm]``) or "vllm-server" (a ``vllm
             serve`` process: started here, or ``engine_args: {url: ...}``).
         engine_args: keyword arguments of the engine (``VLLMEngine`` / ``VLLMServerEngine``:
@@ -217,6 +219,8 @@ class RLConfig:
             is ``rollout_correction``'s: decoupled PPO) or "sampler" (the engine's own
             log-probs mu, as TRL's asynchronous trainer; ``rollout_correction`` then has
             nothing left to correct).
+        generator_threads: with ``async_generation``, torch's CPU threads in the generator
+            thread (e.g. half the cores each for sampling and training); None: torch's default.
 
     Returns:
         The validated config; ``InvalidArgumentError`` names the first bad field.
@@ -314,6 +318,7 @@ class RLConfig:
     max_staleness: int = 1
     partial_rollouts: str = "finish"
     proximal_log_probs: str = "recomputed"
+    generator_threads: int | None = None
 
     def __post_init__(self) -> None:
         fn = "RLConfig"
@@ -388,6 +393,7 @@ class RLConfig:
             raise bad("max_staleness", "an int >= 0 (0: every batch sampled with the previous step's weights)")
         choice("partial_rollouts", PARTIAL_ROLLOUTS)
         choice("proximal_log_probs", PROXIMAL_LOG_PROBS)
+        positive_int("generator_threads", optional=True)
         for name in ("num_generations", "max_completion_length", "prompts_per_step", "num_iterations",
                      "logging_steps", "max_turns"):
             positive_int(name)

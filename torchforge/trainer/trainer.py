@@ -551,7 +551,8 @@ class RLTrainer:
             self._generator = AsyncGenerator(
                 self._sample_step, self.engine, start=step, end=self.total_steps,
                 version=self.engine.weights_version, max_staleness=self.config.max_staleness,
-                partial_rollouts=self.config.partial_rollouts, lock=self._sampling_lock).start_thread()
+                partial_rollouts=self.config.partial_rollouts, lock=self._sampling_lock,
+                threads=self.config.generator_threads).start_thread()
         return self._generator
 
     def _publish_weights(self, version: int) -> float:
