@@ -99,7 +99,7 @@ class AsyncGenerator:
         ...                      version=0, max_staleness=1).start_thread()
         >>> versions = []
         >>> for step in range(3):
-        ...     versions.append(gen.take(step).version)
+        ...     versions.append(gen.take(step)[0].version)
         ...     gen.publish(step + 1, [])
         >>> gen.close()
         >>> all(step - v <= 1 for step, v in enumerate(versions))
