@@ -720,8 +720,9 @@ def _timed_run(tokenizer, dataset, setting, workdir, changes, steps, threads):
     """One RLTrainer run of ``steps`` steps; per-step wall intervals, the sync run's sampling
     time, and the history."""
     torch.set_num_threads(threads)
-    cfg = demo_config(max_completion_length=setting["max_completion_length"], learning_rate=LR, max_steps=steps,
-                      save_steps=None, progress_bar=False, output_dir=str(workdir), report_to="none", **changes)
+    values = dict(max_completion_length=setting["max_completion_length"], learning_rate=LR, max_steps=steps,
+                  save_steps=None, progress_bar=False, output_dir=str(workdir), report_to="none")
+    cfg = demo_config(**{**values, **changes})
     trainer = RLTrainer(model=build_model(tokenizer, setting["no_eos"]), tokenizer=tokenizer, config=cfg,
                         reward_functions=[CopyDigitsReward()], train_dataset=dataset)
     ends, sampling = [], []
@@ -759,18 +760,20 @@ def async_comparison(args) -> str:
         results = {label: [] for label, _, _ in ASYNC_VARIANTS}
         for rep in range(args.async_repeats):  # interleaved repeats: load changes hit every variant
             for label, changes, threads in ASYNC_VARIANTS:
-                out = _timed_run(tokenizer, dataset, setting, Path(d) / f"t{rep}-{len(rows)}-{label[:5]}", changes,
+                out = _timed_run(tokenizer, dataset, setting, Path(d) / f"throughput-{len(rows)}", changes,
                                  args.async_steps, threads)
                 results[label].append(out)
                 rows.append(label)
                 print(f"[{label}: {statistics.median(out[0][skip:]) * 1e3:.0f} ms/step]", flush=True)
-        curves = {}
-        for label, changes in CORRECTION_VARIANTS:
-            _, _, history = _timed_run(tokenizer, dataset, SETTINGS["short"], Path(d) / f"c-{len(curves)}",
-                                       dict(changes, generator_threads=1) if changes else changes,
-                                       args.curve_steps, 1 if changes else 2)
-            curves[label] = [h["reward"] for h in history]
-            print(f"[{label}: reward {curves[label][-1]:.3f}]", flush=True)
+        curves = {label: [] for label, _ in CORRECTION_VARIANTS}
+        for seed in range(args.curve_seeds):  # one seed is noise: the data order and samples change with it
+            curve = dict(seed=seed, learning_rate=demo_config().learning_rate)  # the demo's own run
+            for index, (label, changes) in enumerate(CORRECTION_VARIANTS):
+                _, _, history = _timed_run(tokenizer, dataset, SETTINGS["short"], Path(d) / f"curve-{seed}-{index}",
+                                           dict(changes, generator_threads=1, **curve) if changes else curve,
+                                           args.curve_steps, 1 if changes else 2)
+                curves[label].append([h["reward"] for h in history])
+                print(f"[seed {seed}, {label}: reward {curves[label][-1][-1]:.3f}]", flush=True)
     torch.set_num_threads(args.threads)
 
     base = statistics.median(x for out in results["sync, 2 threads"] for x in out[0][skip:])
@@ -812,15 +815,23 @@ def async_comparison(args) -> str:
         "In the synchronous rows the two wait columns are the shares of the step spent sampling (the trainer "
         "idle) and training (the sampler idle).",
         "",
-        f"### Reward curves at staleness 1, {args.curve_steps} steps of the 'short' demo",
+        f"### Reward curves at staleness 1: {args.curve_steps} steps of the demo (its settings: 'short', "
+        f"lr {demo_config().learning_rate}), seeds 0-{args.curve_seeds - 1}",
         "",
-        "| variant | reward, first 10 steps | 10 steps mid-run | last 10 steps |",
+        "Mean reward over 10 steps, averaged over the seeds (the range over seeds in brackets).",
+        "",
+        "| variant | first 10 steps | 10 steps mid-run | last 10 steps |",
         "| --- | ---: | ---: | ---: |",
     ]
-    for label, rewards in curves.items():
-        middle = len(rewards) // 2
-        lines.append(f"| {label} | {statistics.mean(rewards[:10]):.3f} | "
-                     f"{statistics.mean(rewards[middle - 5:middle + 5]):.3f} | {statistics.mean(rewards[-10:]):.3f} |")
+
+    def window(runs, start, stop):
+        means = [statistics.mean(r[start:stop]) for r in runs]
+        return f"{statistics.mean(means):.3f} [{min(means):.3f}, {max(means):.3f}]"
+
+    for label, runs in curves.items():
+        middle = args.curve_steps // 2
+        lines.append(f"| {label} | {window(runs, 0, 10)} | {window(runs, middle - 5, middle + 5)} | "
+                     f"{window(runs, args.curve_steps - 10, args.curve_steps)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -848,10 +859,11 @@ def main():
     parser.add_argument("--async-steps", type=int, default=20, help="steps per throughput run")
     parser.add_argument("--async-repeats", type=int, default=2, help="interleaved runs per throughput variant")
     parser.add_argument("--curve-steps", type=int, default=150, help="steps per reward-curve run")
+    parser.add_argument("--curve-seeds", type=int, default=3, help="seeds per reward-curve variant")
     args = parser.parse_args()
     if args.async_run:
         if args.quick:
-            args.async_steps, args.async_repeats, args.curve_steps = 6, 1, 12
+            args.async_steps, args.async_repeats, args.curve_steps, args.curve_seeds = 6, 1, 12, 1
         text = async_comparison(args)
         print(text)
         if not args.quick:

@@ -62,6 +62,12 @@ BENCHMARKS = {
                         "`rollout_episodes` (K turns per episode) against a single-turn rollout of the same "
                         "samples: the loop step's overhead",
                         "python benchmarks/bench_loop.py --multi-turn"),
+    "loop_async": ("bench_loop.py --async",
+                   "the same GRPO run synchronous against `async_generation` at `max_staleness` 1 and 2 (a "
+                   "generator thread, or the `hf-process` engine), generator and trainer on one thread each: "
+                   "ms per step, who waits; the demo's reward at staleness 1 for each way to correct stale samples",
+                   "python benchmarks/bench_loop.py --async --async-setting medium --async-steps 24 "
+                   "--async-repeats 3 --curve-steps 200 --curve-seeds 3"),
     "lora": ("bench_lora.py",
              "a GRPO step with a KL penalty, full fine-tuning (reference = a deep copy) against LoRA "
              "(reference = the policy with its adapters disabled): weights, gradients, AdamW state, peak memory",

@@ -150,6 +150,22 @@ def test_the_log_prob_gap_stays_below_1e_3_only_while_weights_sync(tmp_path, syn
         assert [h["rollout/staleness"] for h in trainer.history] == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("engine", ["vllm", "vllm-server"])
+def test_asynchronous_generation_with_vllm_stays_within_the_staleness_bound(tmp_path, engine):
+    # the generator thread samples with vLLM while the trainer trains; at staleness 0 every batch
+    # is on-policy (the gap at float32 noise), at 1 each is at most one step old
+    for k in (0, 1):
+        trainer = _trainer(tmp_path, f"async-{engine}-{k}", engine=engine, async_generation=True, max_staleness=k)
+        try:
+            trainer.train()
+        finally:
+            trainer.close_engine()
+        staleness = [h["async/staleness"] for h in trainer.history]
+        assert all(0 <= s <= k for s in staleness), staleness
+        if k == 0:
+            assert max(h["rollout/log_prob_gap"] for h in trainer.history) < 1e-3
+
+
 def test_lora_trains_with_merged_weights_synced_into_vllm(tmp_path):
     pytest.importorskip("peft")
     trainer = _trainer(tmp_path, "lora", engine="vllm", lora={"rank": 4, "alpha": 8.0})

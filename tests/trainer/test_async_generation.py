@@ -281,3 +281,15 @@ def test_two_processes_at_staleness_zero_equal_one_synchronous_process(tmp_path)
         for key in ("loss", "reward", "kl", "grad_norm", "entropy"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
         assert b["async/staleness"] == 0.0
+
+
+def test_lora_publishes_merged_weights_to_the_generation_copy(tmp_path):
+    # staleness 0: every batch is sampled by the copy with the adapters merged in, so the
+    # sampler's log-probs equal the trainer's (float32 noise) while the adapters move
+    pytest.importorskip("peft")
+    trainer = RLTrainer(config=config(tmp_path, "lora", async_generation=True, max_staleness=0,
+                                      lora={"rank": 4, "alpha": 8.0}))
+    trainer.train()
+    assert max(h["rollout/log_prob_gap"] for h in trainer.history) < 1e-5
+    lora_b = [p for n, p in trainer.model.named_parameters() if "lora_B" in n]
+    assert max(float(p.abs().max()) for p in lora_b) > 1e-3

@@ -395,3 +395,15 @@ def test_the_demo_learns_to_copy_and_stop(tmp_path):
                                pad_token_id=tokenizer.pad_token_id)[:, inputs["input_ids"].shape[1]:]
     stopped = [tokenizer.eos_token_id in row.tolist()[:4] for row in generated]
     assert sum(stopped) / len(stopped) >= 0.9, tokenizer.batch_decode(generated)
+
+
+@pytest.mark.parametrize("engine", ["hf", "hf-process"])
+def test_a_users_model_trains_asynchronously_from_the_command_line(project, monkeypatch, engine):
+    folder, settings = project
+    monkeypatch.syspath_prepend(str(folder))  # myrewards.py, as the installed script finds it next to run.yaml
+    (folder / "run.yaml").write_text(yaml.safe_dump({**settings, "max_steps": 3, "reward_functions": ["myrewards.length"]}))
+    assert main(["train", "--config", str(folder / "run.yaml"), "async_generation=true", "max_staleness=1",
+                 f"engine={engine}"]) == 0
+    rows = [json.loads(line) for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(0 <= r["async/staleness"] <= 1 and "rewards/length/mean" in r for r in rows)
