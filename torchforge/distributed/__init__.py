@@ -33,6 +33,7 @@ from torchforge.distributed.parallelize import (
     SHARDING_STRATEGIES,
     STRATEGIES,
     DistributedConfig,
+    is_sharded,
     shard,
     unwrap_model,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "whiten_over_ranks",
     "shard",
     "unwrap_model",
+    "is_sharded",
     "generation_kwargs",
     "sync_weights",
     "full_weights",

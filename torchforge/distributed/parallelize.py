@@ -104,6 +104,26 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` holds FSDP2-sharded parameters (DTensors): its forward is then a
+    collective, and its full weights must be gathered.
+
+    Args:
+        module: any module.
+
+    Returns:
+        bool.
+
+    Example:
+        >>> import torch
+        >>> is_sharded(torch.nn.Linear(1, 1))
+        False
+    """
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
 def _block_classes(fn: str, model: nn.Module, block_types) -> tuple[type, ...]:
     present = {type(m) for m in model.modules()}
     if block_types is None:

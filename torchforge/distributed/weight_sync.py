@@ -7,9 +7,8 @@ from typing import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from torchforge.distributed.parallelize import unwrap_model
+from torchforge.distributed.parallelize import is_sharded, unwrap_model
 from torchforge.distributed.process_group import world_size
 from torchforge.errors import InvalidArgumentError
 
@@ -40,7 +39,7 @@ def generation_kwargs(model: nn.Module | None = None) -> dict:
     """
     if world_size() == 1:
         return {}
-    if model is not None and not any(isinstance(p, DTensor) for p in model.parameters()):
+    if model is not None and not is_sharded(model):
         return {}
     return {"synced_gpus": True}
 

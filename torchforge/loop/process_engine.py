@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchforge.distributed import unwrap_model
+from torchforge.distributed import full_weights, is_sharded, unwrap_model
 from torchforge.errors import InvalidArgumentError, TorchforgeError
 from torchforge.loop.engines import Completion, HFEngine, SamplingSettings, check_requests
 
@@ -74,8 +74,6 @@ class HFProcessEngine:
 
     def __init__(self, model: nn.Module, *, weights: Iterable[tuple[str, torch.Tensor]] | None = None,
                  pad_token_id: int | None = None, threads: int | None = None, timeout: float = 600.0) -> None:
-        from torchforge.distributed import full_weights
-
         inner = unwrap_model(model)
         if any(p.device.type != "cpu" for p in inner.parameters()):
             raise InvalidArgumentError("HFProcessEngine: the model is on "
@@ -86,11 +84,11 @@ class HFProcessEngine:
         # a plain model is copied as it is; a sharded or LoRA one is rebuilt from its config (and
         # gets the full, or merged, weights)
         base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-        copy_ = type(base)(base.config) if base is not inner or _is_sharded(inner) else copy.deepcopy(inner)
-        copy_ = copy_.to(torch.get_default_dtype() if base is not inner else next(inner.parameters()).dtype)
-        copy_ = copy_.eval().requires_grad_(False)
-        self._tensors = {**dict(copy_.named_parameters()), **dict(copy_.named_buffers())}
-        self._load(weights)
+        copy_ = type(base)(base.config) if base is not inner or is_sharded(inner) else copy.deepcopy(inner)
+        copy_ = copy_.to(next(base.parameters()).dtype).eval().requires_grad_(False)
+        # the parent's view of the shared tensors: HFEngine.update_weights copies into them by name
+        self._weights = HFEngine(copy_)
+        self._weights.update_weights(weights, version=0)
         copy_.share_memory()
         self.timeout = timeout
         self.weights_version = 0
@@ -100,14 +98,6 @@ class HFProcessEngine:
                                         name="torchforge-hf-engine")
         self._process.start()
         child.close()
-
-    @torch.no_grad()
-    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in weights:
-            if name not in self._tensors:
-                raise InvalidArgumentError(f"HFProcessEngine.update_weights: {name!r} is not a tensor of the engine's "
-                                           "model; expected Hugging Face parameter names of the same architecture")
-            self._tensors[name].copy_(tensor)
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], *, seeds: Sequence[int],
                  settings: SamplingSettings) -> list[Completion]:
@@ -134,7 +124,7 @@ class HFProcessEngine:
         return answer
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
-        self._load(weights)  # into the shared tensors: the worker is idle between generate calls
+        self._weights.update_weights(weights, version=version)  # shared: the worker is idle between calls
         self.weights_version = int(version)
 
     def close(self) -> None:
@@ -148,9 +138,3 @@ class HFProcessEngine:
             if self._process.is_alive():
                 self._process.kill()
         self._connection.close()
-
-
-def _is_sharded(module: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in module.parameters())

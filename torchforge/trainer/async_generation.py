@@ -135,8 +135,7 @@ class AsyncGenerator:
     # --- the trainer's side ---------------------------------------------------------------------
 
     def publish(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Hand the generator the weights of ``version`` (tensors it may keep: detached copies,
-        or an empty list for an engine that samples with the trained model itself).
+        """Hand the generator the weights of ``version`` (tensors it may keep: detached copies).
 
         Args:
             version: the optimizer steps behind them.
@@ -203,7 +202,7 @@ class AsyncGenerator:
         with self._changed:
             self._stop = True
             self._changed.notify_all()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
+        if self._thread.is_alive():
             self._thread.join(timeout)
 
     # --- the generator's side -------------------------------------------------------------------

@@ -501,9 +501,7 @@ class RLTrainer:
             batch, prompts, rows, per_function, self._trained_episodes, failures = sampled.payload
         else:
             self._pop_reward_failures()  # count this step's failures only (not an evaluation's before it)
-            batch, prompts, rows = self._rollout(step)
-            per_function = self._score(batch, prompts, rows)
-            self._trained_episodes = getattr(self, "episodes", None)
+            batch, prompts, rows, per_function, self._trained_episodes = self._sample_step(step)
             if self.config.dynamic_sampling:
                 batch, per_function, sampling = self._dynamic_sampling(step, batch, per_function)
             failures = self._pop_reward_failures()
@@ -539,17 +537,22 @@ class RLTrainer:
     # --- asynchronous generation --------------------------------------------------------------
 
     def _sample_step(self, step: int) -> tuple:
-        """The generator thread's work for ``step``: sample, score, and what the update needs of it."""
+        """Sample and score ``step``: the batch, its prompts and rows, each function's rewards and
+        the episodes that made it (multi-turn; else None)."""
         batch, prompts, rows = self._rollout(step)
         per_function = self._score(batch, prompts, rows)
         record = getattr(self, "episodes", None) if self.environment_factory is not None else None
-        return batch, prompts, rows, per_function, record, self._pop_reward_failures()
+        return batch, prompts, rows, per_function, record
+
+    def _sample_step_ahead(self, step: int) -> tuple:
+        """The generator thread's work: :meth:`_sample_step` and its reward failures."""
+        return *self._sample_step(step), self._pop_reward_failures()
 
     def _started_generator(self, step: int) -> AsyncGenerator:
         """The generator thread, started at ``step`` when it is not running yet."""
         if self._generator is None:
             self._generator = AsyncGenerator(
-                self._sample_step, self.engine, start=step, end=self.total_steps,
+                self._sample_step_ahead, self.engine, start=step, end=self.total_steps,
                 version=self.engine.weights_version, max_staleness=self.config.max_staleness,
                 partial_rollouts=self.config.partial_rollouts, lock=self._sampling_lock,
                 threads=self.config.generator_threads).start_thread()
