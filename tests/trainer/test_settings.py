@@ -231,9 +231,18 @@ def test_adaptive_kl_moves_the_coefficient_and_resumes_exactly(tmp_path):
         assert after["kl_coef"] == pytest.approx(expected, rel=1e-12)
 
     RLTrainer(config=small_config(tmp_path / "resumed", save_steps=2, **{**config, "max_steps": 2})).train()
-    resumed = RLTrainer(config=small_config(tmp_path / "resumed", resume=True, **config))
+    seen = []
+
+    class Spy(GRPO):
+        def compute_loss(self, batch):
+            seen.append((self.context.step, self.kl_coef))
+            return super().compute_loss(batch)
+
+    resumed = RLTrainer(config=small_config(tmp_path / "resumed", resume=True, **config), algorithm=Spy())
     assert resumed.resume() == 2
-    assert resumed.algorithm.kl_coef == pytest.approx(history[2]["kl_coef"], rel=1e-12)
+    assert resumed.kl_coef == pytest.approx(history[2]["kl_coef"], rel=1e-12)  # the trainer's coefficient
+    resumed.train_step(2)  # the algorithm gets it in the step's context
+    assert seen[0][0] == 2 and seen[0][1] == pytest.approx(history[2]["kl_coef"], rel=1e-12)
 
 
 def test_kl_penalty_uses_the_current_coefficient():

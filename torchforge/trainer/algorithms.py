@@ -11,8 +11,11 @@ and the loss are computed. The hooks are called in this order for each sampled b
    ``advantages`` (when ``prepare`` set them), ``ref_log_probs`` (when a reference is
    used), ``rollout_log_probs`` (the sampler's) and ``mask``.
 
-The settings of :class:`RLConfig` reach the hooks ready-made, so a custom algorithm uses
-them without re-implementing them:
+The trainer hands the algorithm one :class:`StepContext` per step (``self.context``): the
+step's KL coefficient, reward weights and entropy threshold, and inside ``compute_loss``
+the micro-batch, its aggregation and its per-token weights. Nothing else is written onto
+the algorithm. The settings of :class:`RLConfig` reach the hooks ready-made, so a custom
+algorithm uses them without re-implementing them:
 
 - ``self.weights``: the [B, T] per-token weights of the micro-batch from
   ``rollout_correction`` (truncated importance weights or a ratio mask, from
@@ -20,7 +23,7 @@ them without re-implementing them:
   high-entropy mask (``self.entropy_threshold``: the step's threshold), computed by
   :meth:`Algorithm.correction_weights`, or None; :meth:`Algorithm.policy_gradient_loss` and the built-in
   losses pass them as ``weights=`` (the mask stays);
-- ``self.kl_coef``: the current KL coefficient (``kl_coef``, or the adaptive one when
+- ``self.kl_coef``: the step's KL coefficient (``kl_coef``, or the adaptive one when
   ``kl_target`` is set), used by :meth:`Algorithm.kl_penalty` and the built-in algorithms;
 - ``batch.rewards``: [B] (the weighted sum of the reward functions, clipped with
   ``reward_clip``), or [B, K] with ``reward_aggregation="normalize_then_sum"``, which
@@ -57,7 +60,9 @@ depends on ``self.config``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -75,7 +80,6 @@ from torchforge.corrections import (
     ratio_mask,
     truncated_importance_weights,
 )
-from torchforge.covariance_losses import clip_cov_loss, kl_cov_loss
 from torchforge.distributed import sum_over_ranks
 from torchforge.errors import TorchforgeError
 from torchforge.kl import approx_kl
@@ -83,22 +87,75 @@ from torchforge.loop import ValueModel, micro_batches, micro_batches_by_tokens
 from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss
 from torchforge.reduce import Aggregation, masked_mean, masked_whiten
 from torchforge.trainer.config import RLConfig
-from torchforge.trust_region_losses import cispo_loss, gmpo_loss, sapo_loss
+from torchforge.trainer.policy_losses import POLICY_LOSS_REGISTRY
 from torchforge.value_losses import value_loss
 
-__all__ = ["GRPO", "PPO", "REINFORCE", "Algorithm", "algorithm_from_name"]
+__all__ = ["GRPO", "PPO", "REINFORCE", "Algorithm", "StepContext", "algorithm_from_name"]
 
 Metrics = dict[str, torch.Tensor]
 
-_RATIO_LEVEL = {"ppo": "token", "gspo": "sequence"}
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the trainer hands an algorithm for the step it trains.
+
+    The trainer binds one per step around ``prepare`` and the update
+    (:meth:`Algorithm.using`), and one per micro-batch around ``compute_loss``
+    (:meth:`Algorithm.bind`, which adds ``batch``, ``aggregation`` and ``weights``). The
+    algorithm's ``kl_coef``, ``reward_weights``, ``entropy_threshold``, ``batch``, ``mask``,
+    ``aggregation`` and ``weights`` read it.
+
+    Args:
+        step: the 0-based step.
+        kl_coef: this step's KL coefficient (``config.kl_coef``, or the adaptive one of
+            ``kl_target``); None: the algorithm's own (``config.kl_coef`` unless set).
+        reward_weights: the [K] weights of the reward functions, for [B, K] rewards
+            (``reward_aggregation="normalize_then_sum"``); None: all 1.
+        entropy_threshold: the step's entropy threshold of ``top_entropy_quantile``; None: off.
+        batch: the micro-batch ``compute_loss`` processes (None outside it).
+        aggregation: the step's loss aggregation, with its global counts.
+        weights: the micro-batch's [B, T] per-token weights (``rollout_correction``, the
+            entropy mask), or None.
+
+    Returns:
+        The context.
+
+    Example:
+        >>> import dataclasses
+        >>> context = StepContext(step=3, kl_coef=0.05)
+        >>> algorithm = Algorithm()
+        >>> with algorithm.using(context):
+        ...     algorithm.kl_coef
+        0.05
+    """
+
+    step: int = 0
+    kl_coef: float | None = None
+    reward_weights: list[float] | None = None
+    entropy_threshold: torch.Tensor | None = None
+    batch: Batch | None = None
+    aggregation: Aggregation | None = None
+    weights: torch.Tensor | None = None
+
+
+def _token_kl(batch: Batch, *, estimator: str = "k3", gradient: str = "estimator", detach: bool = False) -> torch.Tensor:
+    """[B, T] ``approx_kl`` of the batch's log-probs against ``ref_log_probs`` (``old_log_probs``
+    for the bias-corrected gradient), every side 0 where the mask is False (as ``grpo_loss``):
+    a NaN there reaches neither the value nor the gradient. The one KL of the algorithms: the
+    penalty of :meth:`Algorithm.kl_penalty` and the logged ``kl``."""
+    mask = batch.mask
+    log_probs = batch.log_probs.detach() if detach else batch.log_probs
+    old = batch.old_log_probs
+    return approx_kl(torch.where(mask, log_probs.float(), 0.0), torch.where(mask, batch.ref_log_probs.float(), 0.0),
+                     old_log_probs=None if old is None else torch.where(mask, old.float(), 0.0),
+                     estimator=estimator, gradient=gradient)
 
 
 def _kl_metric(batch: Batch) -> Metrics:
     """``{"kl": masked mean k3 estimate of KL(pi || ref)}`` when ``batch`` has reference log-probs."""
     if batch.ref_log_probs is None:
         return {}
-    kl = approx_kl(batch.log_probs.detach(), batch.ref_log_probs, estimator="k3")
-    return {"kl": masked_mean(kl, batch.mask)}
+    return {"kl": masked_mean(_token_kl(batch, detach=True), batch.mask)}
 
 
 class Algorithm:
@@ -135,15 +192,9 @@ class Algorithm:
     needs_old_log_probs_in_prepare: bool = False
     # immutable class-level defaults (None), so that a subclass __init__ need not call super()
     _config: RLConfig | None = None
-    _batch: Batch | None = None
-    _aggregation: Aggregation | None = None
+    _context: StepContext | None = None
     _metrics: Metrics | None = None
-    _weights: torch.Tensor | None = None
     _kl_coef: float | None = None
-    #: [K] weights of the reward functions, for [B, K] rewards (set by the trainer); None: all 1
-    reward_weights: list[float] | None = None
-    #: the step's entropy threshold of ``top_entropy_quantile`` (set by the trainer each step)
-    entropy_threshold: torch.Tensor | None = None
 
     @property
     def name(self) -> str:
@@ -173,13 +224,31 @@ class Algorithm:
         self.config = config
 
     @property
+    def context(self) -> StepContext:
+        """The :class:`StepContext` of the step being trained (an empty one outside a step)."""
+        return self._context if self._context is not None else StepContext()
+
+    @property
     def kl_coef(self) -> float:
-        """The current KL coefficient: ``config.kl_coef``, or the adaptive one the trainer sets."""
+        """The step's KL coefficient: the context's (the trainer's, adaptive with ``kl_target``),
+        else the one set on this algorithm, else ``config.kl_coef``."""
+        if self.context.kl_coef is not None:
+            return self.context.kl_coef
         return self.config.kl_coef if self._kl_coef is None else self._kl_coef
 
     @kl_coef.setter
-    def kl_coef(self, value: float) -> None:
+    def kl_coef(self, value: float) -> None:  # for an algorithm used outside a trainer
         self._kl_coef = float(value)
+
+    @property
+    def reward_weights(self) -> list[float] | None:
+        """The step's [K] weights of the reward functions, for [B, K] rewards; None: all 1."""
+        return self.context.reward_weights
+
+    @property
+    def entropy_threshold(self) -> torch.Tensor | None:
+        """The step's entropy threshold of ``top_entropy_quantile``, or None."""
+        return self.context.entropy_threshold
 
     @property
     def needs_reference(self) -> bool:
@@ -203,38 +272,61 @@ class Algorithm:
     # --- the micro-batch being processed ---------------------------------------------------
 
     @contextlib.contextmanager
-    def bind(self, batch: Batch, aggregation: Aggregation,
-             weights: torch.Tensor | None = None) -> Iterator[None]:
-        """Make ``batch``, ``aggregation`` and ``weights`` the current ones while the body runs (trainer use)."""
-        self._batch, self._aggregation, self._weights, self._metrics = batch, aggregation, weights, None
+    def using(self, context: StepContext) -> Iterator[None]:
+        """Make ``context`` this algorithm's while the body runs (the trainer's, once per step).
+
+        Args:
+            context: the step's :class:`StepContext`.
+
+        Returns:
+            A context manager; the previous context is back afterwards.
+        """
+        if not isinstance(context, StepContext):
+            raise TorchforgeError(f"{self.name}.using: context is a {type(context).__name__}; expected a StepContext")
+        previous, self._context = self._context, context
         try:
             yield
         finally:
-            self._batch, self._aggregation, self._weights = None, None, None
+            self._context = previous
 
-    def _current(self, what: str):
-        if self._batch is None:
+    def bind(self, batch: Batch, aggregation: Aggregation,
+             weights: torch.Tensor | None = None) -> contextlib.AbstractContextManager[None]:
+        """The step's context with ``batch``, ``aggregation`` and ``weights`` as the micro-batch's,
+        while the body runs (the trainer's, around ``compute_loss``); :meth:`log` starts empty.
+
+        Args:
+            batch: the micro-batch.
+            aggregation: the step's aggregation with its global counts.
+            weights: its [B, T] per-token weights, or None.
+
+        Returns:
+            A context manager.
+        """
+        self._metrics = None
+        return self.using(dataclasses.replace(self.context, batch=batch, aggregation=aggregation, weights=weights))
+
+    def _current(self, what: str) -> StepContext:
+        if self.context.batch is None:
             raise TorchforgeError(
                 f"{self.name}.{what} is only available inside compute_loss (while the trainer "
                 "processes a batch)"
             )
-        return self._batch
+        return self.context
 
     @property
     def batch(self) -> Batch:
         """The micro-batch being processed."""
-        return self._current("batch")
+        return self._current("batch").batch
 
     @property
     def mask(self) -> torch.Tensor:
         """[B, T] bool mask of the micro-batch being processed."""
-        return self._current("mask").mask
+        return self._current("mask").batch.mask
 
     @property
     def weights(self) -> torch.Tensor | None:
         """[B, T] float per-token weights of the micro-batch (``rollout_correction``), or None."""
-        self._current("weights")
-        return self._weights
+        return self._current("weights").weights
 
     @property
     def group_size(self) -> int:
@@ -244,8 +336,7 @@ class Algorithm:
     @property
     def aggregation(self) -> Aggregation:
         """The loss aggregation of this optimizer step, with its global counts."""
-        self._current("aggregation")
-        return self._aggregation
+        return self._current("aggregation").aggregation
 
     def log(self, **metrics: torch.Tensor | float) -> None:
         """Record scalar metrics of this micro-batch from any hook; the trainer logs them.
@@ -357,13 +448,13 @@ class Algorithm:
     def policy_gradient_loss(self, log_probs: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         """The policy-gradient loss of the current micro-batch named by ``config.policy_loss``.
 
-        ``policy_loss="ppo"`` (default): ``ppo_loss(log_probs, batch.old_log_probs,
-        advantages, mask)`` with the config's clip range, whose on-policy gradient is the
-        REINFORCE gradient ``-A grad log pi``; ``"gspo"``: the same with sequence ratios
-        (``ratio_level="sequence"``); ``"cispo"``, ``"sapo"``, ``"gmpo"``, ``"clip_cov"``,
-        ``"kl_cov"``: ``<name>_loss`` with the config's hyperparameters; ``"reinforce"``:
-        ``reinforce_loss`` (no ratio). Always aggregated with the step's aggregation, with
-        ``self.weights`` (``rollout_correction``) as the loss's ``weights=``.
+        The entry of :data:`~torchforge.trainer.policy_losses.POLICY_LOSS_REGISTRY` named by
+        ``config.policy_loss``, with the config's settings: ``"ppo"`` (default) is
+        ``ppo_loss(log_probs, batch.old_log_probs, advantages, mask)`` with the config's clip
+        range, whose on-policy gradient is the REINFORCE gradient ``-A grad log pi``;
+        ``"gspo"`` the same with sequence ratios; ``"reinforce"`` is ``reinforce_loss`` (no
+        ratio). Always aggregated with the step's aggregation, with ``self.weights``
+        (``rollout_correction``) as the loss's ``weights=``.
 
         Args:
             log_probs: [B, T] log-probs (carrying grad).
@@ -373,28 +464,9 @@ class Algorithm:
             ``(loss, metrics)``: the scalar loss and its metrics (``clip_frac_low``,
             ``ratio_max``, ...), as the loss returns them.
         """
-        cfg, old, mask, agg, w = self.config, self.batch.old_log_probs, self.mask, self.aggregation, self.weights
-        name = cfg.policy_loss
-        if name in ("ppo", "gspo"):
-            return ppo_loss(log_probs, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                            dual_clip=cfg.dual_clip, ratio_level=_RATIO_LEVEL[name], weights=w, aggregation=agg)
-        if name == "cispo":
-            return cispo_loss(log_probs, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                              weights=w, aggregation=agg)
-        if name == "sapo":
-            return sapo_loss(log_probs, old, advantages, mask, tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg,
-                             weights=w, aggregation=agg)
-        if name == "gmpo":
-            return gmpo_loss(log_probs, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                             aggregation=agg)
-        if name == "clip_cov":
-            return clip_cov_loss(log_probs, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                 select_frac=cfg.cov_select_frac, cov_low=cfg.cov_low, cov_high=cfg.cov_high,
-                                 aggregation=agg)
-        if name == "kl_cov":
-            return kl_cov_loss(log_probs, old, advantages, mask, select_frac=cfg.cov_select_frac,
-                               kl_coef=cfg.kl_cov_coef, aggregation=agg)
-        return reinforce_loss(log_probs, advantages, mask, weights=w, aggregation=agg)
+        loss = POLICY_LOSS_REGISTRY[self.config.policy_loss]
+        return loss(self.config, log_probs, self.batch.old_log_probs, advantages, self.mask, weights=self.weights,
+                    aggregation=self.aggregation)
 
     def kl_penalty(self, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         """The KL(pi || ref) term of the loss, ``self.kl_coef * aggregation(kl)``, and its ``kl`` metric.
@@ -411,12 +483,7 @@ class Algorithm:
         cfg = self.config
         if self.kl_coef == 0 or batch.ref_log_probs is None:
             return torch.zeros((), device=batch.log_probs.device), {}
-        mask = batch.mask
-        # every side 0 where the mask is False (as grpo_loss): a NaN there cannot reach the gradient
-        kl = approx_kl(torch.where(mask, batch.log_probs.float(), 0.0),
-                       torch.where(mask, batch.ref_log_probs.float(), 0.0),
-                       old_log_probs=torch.where(mask, batch.old_log_probs.float(), 0.0),
-                       estimator=cfg.kl_estimator, gradient=cfg.kl_gradient)
+        kl = _token_kl(batch, estimator=cfg.kl_estimator, gradient=cfg.kl_gradient)
         return self.kl_coef * self.aggregation(kl, batch.mask), {"kl": masked_mean(kl.detach(), batch.mask)}
 
     def compute_loss(self, batch: Batch) -> tuple[torch.Tensor, Metrics]:
@@ -465,13 +532,13 @@ class GRPO(Algorithm):
 
     def compute_loss(self, batch: Batch):
         cfg = self.config
-        if cfg.policy_loss in ("ppo", "gspo"):  # GRPO's equation: one aggregate of surrogate + kl_coef * KL
+        loss = POLICY_LOSS_REGISTRY[cfg.policy_loss]
+        if loss.loss is ppo_loss:  # GRPO's equation: one aggregate of surrogate + kl_coef * KL
             return grpo_loss(
                 batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask,
-                batch.ref_log_probs if cfg.kl_coef > 0 else None,
+                batch.ref_log_probs if cfg.kl_coef > 0 else None, weights=self.weights,
                 kl_coef=self.kl_coef, kl_estimator=cfg.kl_estimator, kl_gradient=cfg.kl_gradient,
-                clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
-                ratio_level=_RATIO_LEVEL[cfg.policy_loss], weights=self.weights, aggregation=self.aggregation,
+                **loss.kwargs(cfg), aggregation=self.aggregation,
             )
         pg_loss, metrics = self.policy_gradient_loss(batch.log_probs, batch.advantages)
         kl_loss, kl_metrics = self.kl_penalty(batch)

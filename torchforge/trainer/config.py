@@ -16,6 +16,7 @@ from torchforge.loop.engines import check_engine_settings
 from torchforge.reduce import AGGREGATION_MODES
 from torchforge.trainer.async_generation import PARTIAL_ROLLOUTS
 from torchforge.trainer.lora import check_lora_settings
+from torchforge.trainer.policy_losses import POLICY_LOSS_REGISTRY
 from torchforge.trainer.tracking import check_report_to
 
 __all__ = ["RLConfig", "ALGORITHMS", "LR_SCHEDULERS", "REINFORCE_BASELINES", "POLICY_LOSSES",
@@ -24,10 +25,8 @@ __all__ = ["RLConfig", "ALGORITHMS", "LR_SCHEDULERS", "REINFORCE_BASELINES", "PO
 ALGORITHMS = ("grpo", "ppo", "reinforce")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 REINFORCE_BASELINES = ("rloo", "reinforce++", "reinforce++-baseline")
-#: the policy losses of ``RLConfig.policy_loss`` (torchforge's policy losses; "gspo" is ppo_loss with sequence ratios)
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "reinforce")
-#: the policy losses that take per-token ``weights=`` (rollout corrections need one)
-WEIGHTED_POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "reinforce")
+#: the names of ``RLConfig.policy_loss``: the entries of :data:`~torchforge.trainer.policy_losses.POLICY_LOSS_REGISTRY`
+POLICY_LOSSES = tuple(POLICY_LOSS_REGISTRY)
 #: ``RLConfig.rollout_correction``: none, truncated importance weights, or a ratio mask
 ROLLOUT_CORRECTIONS = ("none", "tis", "mask")
 #: ``RLConfig.reward_aggregation``: one reward of the weighted sum, or GDPO's per-reward normalization
@@ -405,22 +404,10 @@ class RLConfig:
         in_range("kl_coef", 0, float("inf"), finite=True)
         in_range("temperature", 0, float("inf"), open_low=True, finite=True)
         in_range("top_p", 0, 1, open_low=True)
-        in_range("clip_low", 0, 1)
-        in_range("clip_high", 0, float("inf"), optional=True)
         in_range("gamma", 0, 1)
         in_range("lam", 0, 1)
         in_range("value_coef", 0, float("inf"), finite=True)
         in_range("entropy_coef", 0, float("inf"), finite=True)
-        in_range("sapo_tau_pos", 0, float("inf"), open_low=True, finite=True)
-        in_range("sapo_tau_neg", 0, float("inf"), open_low=True, finite=True)
-        in_range("cov_select_frac", 0, 1, open_low=True)
-        in_range("kl_cov_coef", 0, float("inf"), finite=True)
-        in_range("cov_low", float("-inf"), float("inf"))
-        in_range("cov_high", float("-inf"), float("inf"))
-        if not self.cov_low < self.cov_high:
-            raise InvalidArgumentError(
-                f"{fn}: cov_low={self.cov_low!r} and cov_high={self.cov_high!r}; expected cov_low < cov_high"
-            )
         in_range("value_clip", 0, float("inf"), optional=True)
         in_range("max_grad_norm", 0, float("inf"), optional=True, open_low=True)
         in_range("weight_decay", 0, float("inf"), finite=True)
@@ -437,10 +424,10 @@ class RLConfig:
             raise bad("top_k", "an int >= 0 (0 disables top-k)")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise bad("warmup_steps", "an int >= 0")
-        if self.dual_clip is not None and not (isinstance(self.dual_clip, (int, float)) and self.dual_clip > 1):
-            raise bad("dual_clip", "None or a number > 1")
         if self.clip_high is None:
             self.clip_high = self.clip_low
+        for entry in POLICY_LOSS_REGISTRY.values():  # every loss's settings, by the loss itself
+            entry.check(self)
 
         # combinations
         G = self.num_generations
@@ -470,10 +457,11 @@ class RLConfig:
                 "(the baseline comes from the other samples of the group)"
             )
         for name, off in (("rollout_correction", "none"), ("top_entropy_quantile", 1.0)):
-            if getattr(self, name) != off and self.policy_loss not in WEIGHTED_POLICY_LOSSES:
+            if getattr(self, name) != off and not POLICY_LOSS_REGISTRY[self.policy_loss].takes_weights:
+                weighted = [n for n, entry in POLICY_LOSS_REGISTRY.items() if entry.takes_weights]
                 raise InvalidArgumentError(
                     f"{fn}: {name}={getattr(self, name)!r} with policy_loss={self.policy_loss!r}; expected "
-                    f"a policy loss that takes per-token weights, one of {list(WEIGHTED_POLICY_LOSSES)}"
+                    f"a policy loss that takes per-token weights, one of {weighted}"
                 )
         if self.reward_aggregation == "normalize_then_sum" and self.algorithm != "grpo":
             raise InvalidArgumentError(

@@ -8,7 +8,9 @@ One step, top to bottom (:meth:`RLTrainer.train_step`):
 3. ``_counted_completions``: with ``mask_truncated_completions``, truncated ones count for nothing;
    ``_update_rewards``: [B, K] rewards for GDPO, ``reward_clip``;
 4. ``_reference_log_probs``: reference (and, when the algorithm needs them first, old)
-   log-probs, no grad; the step's entropy threshold of ``top_entropy_quantile``;
+   log-probs, no grad; the step's :class:`~torchforge.trainer.algorithms.StepContext` (its
+   KL coefficient, reward weights, the entropy threshold of ``top_entropy_quantile``),
+   bound to the algorithm for the rest of the step;
 5. ``algorithm.prepare`` (advantages, values...);
 6. ``_update``: ``num_iterations`` optimizer steps, each over every micro-batch with exact
    aggregation (``_loss``: the forward, ``algorithm.compute_loss``'s ``(loss, metrics)``,
@@ -75,7 +77,7 @@ from torchforge.loop.engines import HFEngine, make_engine
 from torchforge.loop.update import metric_reduction
 from torchforge.reduce import Aggregation, masked_mean, masked_var
 from torchforge.trainer import episodes
-from torchforge.trainer.algorithms import Algorithm, algorithm_from_name
+from torchforge.trainer.algorithms import Algorithm, StepContext, algorithm_from_name
 from torchforge.trainer.async_generation import AsyncGenerator
 from torchforge.trainer.config import RLConfig
 from torchforge.trainer.lora import (
@@ -240,6 +242,7 @@ class RLTrainer:
         self._build_parallelism(distributed_config)
         self.algorithm = self._build_algorithm(algorithm)
         self._build_models(model)
+        self.kl_coef = self.algorithm.kl_coef  # the KL coefficient of the next step (adaptive with kl_target)
         self._build_optimizer()
         self._build_engine()
         self.step = 0
@@ -507,8 +510,11 @@ class RLTrainer:
             failures = self._pop_reward_failures()
         counted = self._counted_completions(self._update_rewards(batch, per_function))
         self._reference_log_probs(counted)
-        self.algorithm.prepare(counted)
-        loss, loss_metrics, grad_norm = self._update(counted)
+        context = StepContext(step=step, kl_coef=self.kl_coef, reward_weights=self._reward_weights(),
+                              entropy_threshold=self._entropy_threshold(counted))
+        with self.algorithm.using(context):
+            self.algorithm.prepare(counted)
+            loss, loss_metrics, grad_norm = self._update(counted)
         metrics = self._metrics(batch, counted, per_function, loss, loss_metrics, grad_norm,
                                 time.perf_counter() - start)
         self.scheduler.step()  # the schedule counts steps, whatever num_iterations makes of each
@@ -618,21 +624,27 @@ class RLTrainer:
         updated = batch.clone(recurse=False)
         if cfg.reward_aggregation == "normalize_then_sum":
             updated.rewards = torch.stack(list(per_function.values()), -1).to(batch.rewards.device)
-            self.algorithm.reward_weights = cfg.reward_weights or [
-                float(getattr(f, "weight", 1.0)) for f in self.reward_functions]  # score_rewards' default
         if cfg.reward_clip is not None:
             updated.rewards = updated.rewards.clamp(*cfg.reward_clip)  # NaN stays NaN
         return updated
+
+    def _reward_weights(self) -> list[float] | None:
+        """The [K] weights GDPO sums the normalized rewards with (``reward_aggregation=
+        "normalize_then_sum"``): ``reward_weights``, else each function's ``weight``
+        (score_rewards' default); None otherwise."""
+        if self.config.reward_aggregation != "normalize_then_sum":
+            return None
+        return self.config.reward_weights or [float(getattr(f, "weight", 1.0)) for f in self.reward_functions]
 
     def _after_update(self, step: int, metrics: dict[str, float]) -> None:
         """Adaptive KL (``kl_target``: the next coefficient from this step's ``kl``; logs the one
         used, ``kl_coef``) and the reference refresh of ``ref_model_sync_steps``."""
         cfg = self.config
         if cfg.kl_target is not None:
-            metrics["kl_coef"] = self.algorithm.kl_coef
+            metrics["kl_coef"] = self.kl_coef
             if "kl" in metrics and math.isfinite(metrics["kl"]):  # the same float on every process
-                self.algorithm.kl_coef = adaptive_kl_coef(
-                    self.algorithm.kl_coef, metrics["kl"], target=cfg.kl_target, horizon=cfg.kl_horizon,
+                self.kl_coef = adaptive_kl_coef(
+                    self.kl_coef, metrics["kl"], target=cfg.kl_target, horizon=cfg.kl_horizon,
                     num_steps=cfg.prompts_per_step * cfg.num_generations)  # sequences, as TRL and verl count
         if cfg.ref_model_sync_steps and self.ref_model is not None and (step + 1) % cfg.ref_model_sync_steps == 0:
             with torch.no_grad():
@@ -703,11 +715,16 @@ class RLTrainer:
         if _flag(self.algorithm, "needs_old_log_probs_in_prepare"):
             sampler = self._proximal_log_probs(batch)
             batch.old_log_probs = sampler if sampler is not None else self._log_probs_no_grad(self.model, batch)
-        if self.config.top_entropy_quantile < 1:  # the step's threshold: every counted token of every process
-            entropy = torch.cat([self._log_probs(self.model, part, grad=False, entropy=True)[1]
-                                 for part in self._micro_batches(batch)])
-            self.algorithm.entropy_threshold = entropy_threshold(
-                gather_over_ranks(entropy[batch.mask].float()), quantile=self.config.top_entropy_quantile)
+
+    def _entropy_threshold(self, batch: Batch) -> torch.Tensor | None:
+        """``top_entropy_quantile``'s threshold of the step: every counted token of every
+        process, from a no-grad forward; None when off."""
+        if self.config.top_entropy_quantile == 1:
+            return None
+        entropy = torch.cat([self._log_probs(self.model, part, grad=False, entropy=True)[1]
+                             for part in self._micro_batches(batch)])
+        return entropy_threshold(gather_over_ranks(entropy[batch.mask].float()),
+                                 quantile=self.config.top_entropy_quantile)
 
     def _update(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
         """``num_iterations`` optimizer steps over every micro-batch; the last one's loss, metrics and grad norm."""
@@ -853,7 +870,7 @@ class RLTrainer:
         """
         path = self.output_dir / _CHECKPOINTS / f"step-{step:06d}"
         save_checkpoint(path, model=self.modules, optimizer=self.optimizer, scheduler=self.scheduler,
-                        extra={"step": step, "kl_coef": self.algorithm.kl_coef},
+                        extra={"step": step, "kl_coef": self.kl_coef},
                         trainable_only=self.peft_config is not None)  # LoRA: the adapters, not the base
         return path
 
@@ -898,7 +915,7 @@ class RLTrainer:
         extra = load_checkpoint(latest, model=self.modules, optimizer=self.optimizer, scheduler=self.scheduler,
                                 trainable_only=self.peft_config is not None)
         if "kl_coef" in extra:  # the adaptive KL coefficient (kl_target) resumes where it was
-            self.algorithm.kl_coef = extra["kl_coef"]
+            self.kl_coef = extra["kl_coef"]
         return int(extra["step"])
 
     def _stop_interrupted(self, last_saved: Path | None) -> None:
