@@ -11,7 +11,8 @@ once, in separate processes (so one's peak memory does not count against the nex
 at the first failure, and calls ``collect_results.py`` at the end. Each ``bench_*.py`` picks
 CUDA itself when ``torch.cuda.is_available()``. ``--quick`` is a smoke run: the recorded
 ``results/*.md`` are put back as they were afterwards, so a smoke run never replaces
-measured figures.
+measured figures. A full run rewrites each results file whole: the history of a result and
+its explanations live in ``benchmarks/notes/<name>.md``, which no script writes.
 """
 
 from __future__ import annotations
