@@ -17,7 +17,11 @@ group_advantages peers, B = 65536:
   - minimal: view / mean / std, no NaN or tie handling (the lower bound).
 
 Variants are interleaved (A B C A B C ...) and medians reported; the machine may be shared.
-Usage: python benchmarks/bench_advantages.py [--quick] [--threads N] [--no-compile]
+Usage: python benchmarks/bench_advantages.py [--quick] [--threads N] [--no-compile] [--before FILE [FILE ...]]
+
+--before times the current functions against an earlier version, copied from git: the single
+advantages.py of before the split (``git show <commit>:torchforge/advantages.py``), or, for a
+commit after it, its advantages.py and returns.py together.
 """
 
 from __future__ import annotations
@@ -34,15 +38,13 @@ from collections import defaultdict
 import torch
 
 from torchforge.advantages import (
-    gae,
     group_advantages,
     opo_advantages,
     passk_advantages,
-    reinforce_pp_advantages,
-    remax_advantages,
     rloo_advantages,
+    zero_std_groups,
 )
-from torchforge.corrections import zero_std_groups
+from torchforge.returns import gae, reinforce_pp_advantages, remax_advantages
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "advantages.md")
 
@@ -467,20 +469,32 @@ def bench_group_ids(args, lines):
               "other jobs on a shared machine than the median.", ""]
 
 
-def load_before(path: str):
-    """The advantages module of an earlier commit, imported from a copied file."""
-    import importlib.util
+def load_before(paths: list[str]):
+    """The advantage functions of an earlier commit, imported from copied files.
 
-    spec = importlib.util.spec_from_file_location("advantages_before", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    One file (the single advantages.py of before the split into advantages.py and returns.py)
+    or several (e.g. a later commit's advantages.py and returns.py): each is imported as its own
+    module, and a function is taken from the first file that defines it.
+    """
+    import importlib.util
+    import types
+
+    before = types.SimpleNamespace()
+    for i, path in enumerate(paths):
+        spec = importlib.util.spec_from_file_location(f"advantages_before_{i}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        for name in getattr(module, "__all__", [n for n in vars(module) if not n.startswith("_")]):
+            if not hasattr(before, name):
+                setattr(before, name, getattr(module, name))
+    return before
 
 
 def bench_before_after(args, lines):
     before = load_before(args.before)
+    files = ", ".join(f"`{os.path.basename(p)}`" for p in args.before)
     lines += [
-        f"### Before / after (the same process; before = `{os.path.basename(args.before)}`, the previous "
+        f"### Before / after (the same process; before = {files}, the previous "
         "advantages.py)",
         "",
         "| function | shape | before ms | after ms | after / before | fastest runs: after / before |",
@@ -509,6 +523,10 @@ def bench_before_after(args, lines):
                          lambda rew=rew, G=G, s=scale: group_advantages(rew, group_size=G, scale=s)))
         rows.append(("rloo_advantages", f"B=65536, G={G}", lambda rew=rew, G=G: before.rloo_advantages(rew, group_size=G),
                      lambda rew=rew, G=G: rloo_advantages(rew, group_size=G)))
+    missing = sorted({name.split(" ")[0] for name, *_ in rows} - set(vars(before)))
+    if missing:
+        raise SystemExit(f"--before: {' '.join(args.before)} do not define {missing}; for a commit after the "
+                         "split of advantages.py, pass its advantages.py and returns.py")
     for name, shape, old, new in rows:
         n = 7 if args.quick else (101 if "B=65536" in shape else 31)  # sub-ms rows: more repeats
         times = interleaved({"before": old, "after": new}, {"before": n, "after": n},
@@ -527,8 +545,9 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     parser.add_argument("--out", default=RESULTS, help="markdown file to write")
-    parser.add_argument("--before", default=None,
-                        help="path of an earlier advantages.py (e.g. copied from git) to time against")
+    parser.add_argument("--before", default=None, nargs="+", metavar="FILE",
+                        help="an earlier advantages.py (e.g. copied from git) to time against; after the "
+                             "split, that commit's advantages.py and returns.py")
     parser.add_argument("--only", default=None, help="comma-separated sections: gae,group,new,ids,before")
     args = parser.parse_args()
     if args.threads:

@@ -32,6 +32,7 @@ Writes benchmarks/results/kl_approx.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import math
 import os
@@ -68,8 +69,29 @@ def load_before(path: str):
     """The ``exact_kl`` of an earlier commit, imported from a copy of its kl.py."""
     spec = importlib.util.spec_from_file_location("kl_before", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with old_private_names():
+        spec.loader.exec_module(module)
     return module.exact_kl
+
+
+@contextlib.contextmanager
+def old_private_names():
+    """While an older copy of a module loads (``--before``), the private helpers it imports
+    from torchforge that have since become public, under their old names."""
+    from torchforge import errors, log_probs, ratios
+
+    def _clamp_log_ratio(log_ratio, max_log_ratio):
+        return ratios.clamp_log_ratio(log_ratio, max_log_ratio=max_log_ratio)
+
+    old = {(log_probs, "_check_temperature"): errors.check_temperature, (ratios, "_clamp_log_ratio"): _clamp_log_ratio}
+    added = [key for key in old if not hasattr(*key)]
+    for module, name in added:
+        setattr(module, name, old[(module, name)])
+    try:
+        yield
+    finally:
+        for module, name in added:
+            delattr(module, name)
 
 
 def _inputs(n, v, dtype, device, grad):

@@ -60,6 +60,7 @@ Writes benchmarks/results/losses.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -376,13 +377,34 @@ def load_before(name: str, directory: str):
     ``old_<module>`` (an older kl.py as ``old_kl``, ratios.py as ``old_ratios``) are
     loaded first, from ``DIR/old_<module>.py``."""
     helpers = sorted(p for p in Path(directory).glob("old_*.py") if p.name != "old_losses.py")
-    for path in helpers:
-        sys.modules[path.stem] = _load(f"{path.stem}_{name}", path)
-    try:
-        return _load(f"old_losses_{name}", Path(directory) / "old_losses.py")
-    finally:
+    with old_private_names():
         for path in helpers:
-            sys.modules.pop(path.stem, None)
+            sys.modules[path.stem] = _load(f"{path.stem}_{name}", path)
+        try:
+            return _load(f"old_losses_{name}", Path(directory) / "old_losses.py")
+        finally:
+            for path in helpers:
+                sys.modules.pop(path.stem, None)
+
+
+@contextlib.contextmanager
+def old_private_names():
+    """While an older copy of a module loads (``--before``), the private helpers it imports
+    from torchforge that have since become public, under their old names."""
+    from torchforge import errors, log_probs, ratios
+
+    def _clamp_log_ratio(log_ratio, max_log_ratio):
+        return ratios.clamp_log_ratio(log_ratio, max_log_ratio=max_log_ratio)
+
+    old = {(log_probs, "_check_temperature"): errors.check_temperature, (ratios, "_clamp_log_ratio"): _clamp_log_ratio}
+    added = [key for key in old if not hasattr(*key)]
+    for module, name in added:
+        setattr(module, name, old[(module, name)])
+    try:
+        yield
+    finally:
+        for module, name in added:
+            delattr(module, name)
 
 
 def main():

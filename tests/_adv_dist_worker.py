@@ -31,7 +31,8 @@ def global_inputs() -> dict[str, torch.Tensor]:
 
 
 def advantages(data: dict[str, torch.Tensor], sum_over_ranks=None) -> dict[str, torch.Tensor]:
-    from torchforge.advantages import group_advantages, reinforce_pp_advantages
+    from torchforge.advantages import group_advantages
+    from torchforge.returns import reinforce_pp_advantages
 
     return {
         "batch": group_advantages(data["rewards"], group_size=G, scale="batch", sum_over_ranks=sum_over_ranks),

@@ -497,6 +497,29 @@ def gmpo_loss_ref(lp, old, adv, mask, clip_low, clip_high):
     return sum(losses) / len(losses) if losses else 0.0
 
 
+
+def gmpo_per_token_ref(lp, old, adv, mask, clip_low, clip_high, weights=None):
+    """GMPO per token: at each counted token of row b, its weight times the row's
+    -mean(A) * exp(mean of sign-clipped log-ratios), the mean over all of the row's counted
+    tokens whatever their weights; 0 elsewhere. Reduce with aggregate_ref."""
+    B, T = lp.shape
+    out = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        tokens = [t for t in range(T) if mask[b, t]]
+        if not tokens:
+            continue
+        total, a_total = 0.0, 0.0
+        for t in tokens:
+            a = float(adv[b] if adv.dim() == 1 else adv[b, t])
+            x = float(lp[b, t]) - float(old[b, t])
+            total += min(x, clip_high) if a > 0 else (max(x, -clip_low) if a < 0 else 0.0)
+            a_total += a
+        row = -a_total / len(tokens) * math.exp(total / len(tokens))
+        for t in tokens:
+            w = 1.0 if weights is None else float(weights[b] if weights.dim() == 1 else weights[b, t])
+            out[b][t] = w * row
+    return out
+
 def covariance_ref(adv, lp, mask):
     """{(b, t): (A - mean A) * (lp - mean lp)} over the counted tokens, in floats."""
     B, T = lp.shape

@@ -375,6 +375,30 @@ def test_approx_kl_empty_inputs():
             assert lp.grad.shape == shape
 
 
+
+@pytest.mark.parametrize("gradient", KL_GRADIENTS)
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_approx_kl_mask_is_the_estimate_of_the_counted_tokens(estimator, gradient):
+    # mask=: the unmasked estimate where True (value and gradient), exactly 0 where False,
+    # even with NaN in every input there.
+    g = torch.Generator().manual_seed(1)
+    lp, ref, old = -torch.rand(3, 4, 6, generator=g)
+    w = torch.rand(4, 6, generator=g)
+    mask = torch.rand(4, 6, generator=g) < 0.6
+    nan = lambda x: torch.where(mask, x, float("nan"))
+    kw = dict(estimator=estimator, gradient=gradient)
+    x1, x2 = lp.clone().requires_grad_(), nan(lp).requires_grad_()
+    plain = approx_kl(x1, ref, w, old, **kw)
+    masked = approx_kl(x2, nan(ref), nan(w), nan(old), mask=mask, **kw)
+    torch.testing.assert_close(masked, torch.where(mask, plain, 0.0))
+    (plain * mask).sum().backward(); masked.sum().backward()
+    torch.testing.assert_close(x2.grad, x1.grad)
+    with pytest.raises(DTypeError, match="approx_kl: mask has dtype torch.float32; expected torch.bool"):
+        approx_kl(lp, ref, mask=mask.float())
+    with pytest.raises(ShapeError, match=r"approx_kl: mask has shape \(6,\) but log_probs has shape \(4, 6\)"):
+        approx_kl(lp, ref, mask=mask[0])
+
+
 # ----------------------------------------------------------------------------------------
 # approx_kl: calling convention and bad input
 # ----------------------------------------------------------------------------------------
@@ -390,6 +414,8 @@ def test_approx_kl_from_batch_and_tensordict():
     assert approx_kl(td, estimator="k1").equal(expected)
     assert approx_kl(td, weights=w, estimator="k1").equal(w * expected)
     assert approx_kl(td, ref_log_probs=lp).equal(torch.zeros(2, 5))  # keyword overrides key
+    masked = TensorDict(log_probs=lp, ref_log_probs=ref, mask=torch.zeros(2, 5, dtype=torch.bool), batch_size=[2])
+    assert approx_kl(masked, estimator="k1").equal(expected)  # the mask is keyword-only: never read from a batch
     with pytest.raises(MissingKeyError, match="approx_kl: the batch has no key 'ref_log_probs'"):
         approx_kl(Batch(log_probs=lp, batch_size=[2]))
 

@@ -20,8 +20,8 @@ from torchforge.batch import Batch
 # The primitive layer of DESIGN.md; modules not written yet are skipped.
 BATCH_KEYS = set(Batch.__dataclass_fields__) - {"batch_size"}
 PRIMITIVE_MODULES = (
-    "log_probs", "kl", "advantages", "ratios", "losses", "trust_region_losses", "covariance_losses", "value_losses",
-    "corrections", "reduce", "batch", "errors",
+    "log_probs", "kl", "advantages", "returns", "ratios", "losses", "trust_region_losses", "covariance_losses",
+    "value_losses", "corrections", "entropy_selection", "reward_shaping", "reduce", "batch", "errors",
 )
 # What a primitive may import besides the standard library and other primitives.
 PRIMITIVE_DEPENDENCIES = {"torch", "tensordict", "einops"}

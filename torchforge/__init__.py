@@ -9,26 +9,18 @@ import importlib
 
 from torchforge.advantages import (
     GROUP_SCALES,
-    discounted_returns,
-    gae,
     group_advantages,
-    kl_penalized_rewards,
     opo_advantages,
     passk_advantages,
-    reinforce_pp_advantages,
-    remax_advantages,
     rloo_advantages,
+    zero_std_groups,
 )
 from torchforge.batch import Batch, batch_args, is_batch
 from torchforge.corrections import (
     CORRECTION_LEVELS,
-    entropy_threshold,
-    high_entropy_mask,
-    overlong_penalty,
     ratio_mask,
     truncated_importance_weights,
     unscored_tokens,
-    zero_std_groups,
 )
 from torchforge.covariance_losses import clip_cov_loss, kl_cov_loss
 from torchforge.distributed import (
@@ -60,12 +52,14 @@ from torchforge.distributed import (
     whiten_over_ranks,
     world_size,
 )
+from torchforge.entropy_selection import entropy_threshold, high_entropy_mask
 from torchforge.errors import (
     DTypeError,
     InvalidArgumentError,
     MissingKeyError,
     ShapeError,
     TorchforgeError,
+    reraise_as,
 )
 from torchforge.kl import (
     KL_ESTIMATORS,
@@ -77,12 +71,14 @@ from torchforge.kl import (
 from torchforge.log_probs import (
     FUSED_CHUNK_ELEMENTS,
     LOGITS_CHUNK_ELEMENTS,
+    chunk_rows,
     fused_token_log_probs,
+    row_chunks,
     token_entropy,
     token_log_probs,
 )
-from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss
-from torchforge.ratios import RATIO_LEVELS, policy_ratio
+from torchforge.losses import grpo_loss, ppo_loss, ppo_surrogate, reinforce_loss
+from torchforge.ratios import RATIO_LEVELS, clamp_log_ratio, policy_ratio, ratio_metrics, sequence_log_ratio
 from torchforge.reduce import (
     AGGREGATION_MODES,
     Aggregation,
@@ -95,6 +91,14 @@ from torchforge.reduce import (
     masked_whiten,
     pooled_var,
 )
+from torchforge.returns import (
+    discounted_returns,
+    gae,
+    kl_penalized_rewards,
+    reinforce_pp_advantages,
+    remax_advantages,
+)
+from torchforge.reward_shaping import overlong_penalty
 from torchforge.trust_region_losses import cispo_loss, gmpo_loss, sapo_loss
 from torchforge.value_losses import value_loss
 
@@ -104,7 +108,7 @@ _LAZY = {
     **dict.fromkeys([
         "rollout", "decode_completions", "completion_mask", "policy_log_probs", "ValueModel",
         "accumulate_gradients", "optimizer_step", "micro_batches", "micro_batches_by_tokens", "pack_sequences",
-        "check_packable",
+        "check_packable", "Metric", "StepMetrics",
         "RewardFunction", "RewardError", "score_rewards",
         "rollout_episodes", "Environment", "StepResult", "evaluate", "pass_at_k",
         "GenerationEngine", "HFEngine", "SamplingSettings", "Completion", "completions_batch", "request_seeds",
@@ -143,6 +147,8 @@ __all__ = [
     "pack_sequences",
     "check_packable",
     "accumulate_gradients",
+    "Metric",
+    "StepMetrics",
     "optimizer_step",
     "rollout_episodes",
     "evaluate",
@@ -168,10 +174,13 @@ __all__ = [
     "DTypeError",
     "InvalidArgumentError",
     "MissingKeyError",
+    "reraise_as",
     # log_probs
     "token_log_probs",
     "fused_token_log_probs",
     "token_entropy",
+    "chunk_rows",
+    "row_chunks",
     "LOGITS_CHUNK_ELEMENTS",
     "FUSED_CHUNK_ELEMENTS",
     # kl
@@ -204,6 +213,10 @@ __all__ = [
     "GROUP_SCALES",
     # losses
     "policy_ratio",
+    "clamp_log_ratio",
+    "sequence_log_ratio",
+    "ratio_metrics",
+    "ppo_surrogate",
     "ppo_loss",
     "grpo_loss",
     "reinforce_loss",

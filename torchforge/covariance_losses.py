@@ -13,21 +13,17 @@ from __future__ import annotations
 import torch
 
 from torchforge.batch import batch_args
-from torchforge.errors import InvalidArgumentError, check_non_negative, check_positive
-from torchforge.losses import (
-    _aggregate,
-    _frac,
-    _per_token,
-    _ppo_per_token,
-    _token_count,
+from torchforge.errors import (
+    InvalidArgumentError,
+    check_log_probs,
+    check_non_negative,
+    check_per_token,
+    check_positive,
+    reraise_as,
 )
-from torchforge.ratios import (
-    _check_log_probs,
-    _clamp_log_ratio,
-    _masked_log_ratio,
-    _ratio_metrics,
-)
-from torchforge.reduce import Aggregation, _count, masked_mean
+from torchforge.losses import ppo_surrogate
+from torchforge.ratios import clamp_log_ratio, ratio_metrics
+from torchforge.reduce import Aggregation, masked_mean
 
 __all__ = ["clip_cov_loss", "kl_cov_loss"]
 
@@ -51,12 +47,12 @@ def _first_k(keys: torch.Tensor, selectable: torch.Tensor, k: torch.Tensor, k_ma
     return selectable & chosen.view(selectable.shape)
 
 
-def _selection_count(fn, select_frac, mask) -> tuple[torch.Tensor, int]:
-    """``k = max(floor(select_frac * N), 1)`` with N the counted tokens (a tensor: no
-    sync), and its bound from the shape, ``max(floor(select_frac * B * T), 1)``."""
+def _selection_count(fn, select_frac, num_tokens, mask) -> tuple[torch.Tensor, int]:
+    """``k = max(floor(select_frac * N), 1)`` with ``N = num_tokens`` the counted tokens (a
+    tensor: no sync), and its bound from the shape, ``max(floor(select_frac * B * T), 1)``."""
     if not 0 < select_frac <= 1:
         raise InvalidArgumentError(f"{fn}: select_frac must be in (0, 1], got {select_frac}")
-    return torch.floor(select_frac * _count(mask)).clamp(min=1), max(int(select_frac * mask.numel()), 1)
+    return torch.floor(select_frac * num_tokens).clamp(min=1), max(int(select_frac * mask.numel()), 1)
 
 
 @batch_args
@@ -126,24 +122,28 @@ def clip_cov_loss(
         here: the gradient is the same, the loss value keeps their term.
     """
     fn = "clip_cov_loss"
-    pg_loss, metrics, ratio, count = _ppo_per_token(
-        fn, log_probs, old_log_probs, advantages, mask, None, clip_low=clip_low,
-        clip_high=clip_high, dual_clip=None, ratio_level="token", max_log_ratio=max_log_ratio,
-    )
+    with reraise_as(fn):
+        pg_loss, ratio, metrics = ppo_surrogate(
+            log_probs, old_log_probs, advantages, mask, clip_low=clip_low, clip_high=clip_high,
+            max_log_ratio=max_log_ratio,
+        )
     if not cov_low < cov_high:
         raise InvalidArgumentError(f"{fn}: cov_low must be < cov_high, got cov_low={cov_low}, cov_high={cov_high}")
-    k, k_max = _selection_count(fn, select_frac, mask)
+    num_tokens = torch.count_nonzero(mask)
+    k, k_max = _selection_count(fn, select_frac, num_tokens, mask)
     with torch.no_grad():
-        A = _per_token(fn, "advantages", advantages, log_probs)
+        A = check_per_token(fn, "advantages", advantages, log_probs)
         cov = _covariance(A, log_probs, mask)
         clip_high = clip_low if clip_high is None else clip_high
         clipped = ((ratio < 1 - clip_low) & (A < 0)) | ((ratio > 1 + clip_high) & (A > 0))
         candidates = mask & ~clipped & (cov > cov_low) & (cov < cov_high)
         draw = torch.rand(mask.shape, generator=generator, device=log_probs.device)
         detached = _first_k(draw, candidates, k, k_max)
-        metrics["cov_clip_frac"] = _frac(detached, count)
+        metrics["cov_clip_frac"] = torch.count_nonzero(detached) / num_tokens.clamp(min=1)
     pg_loss = torch.where(detached, pg_loss.detach(), pg_loss)
-    return _aggregate(fn, pg_loss, mask, aggregation, count), metrics
+    with reraise_as(fn, "aggregation"):
+        loss = Aggregation.of(aggregation)(pg_loss, mask)
+    return loss, metrics
 
 
 @batch_args
@@ -201,21 +201,26 @@ def kl_cov_loss(
         as in verl (on CPU, the earlier position).
     """
     fn = "kl_cov_loss"
-    _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
+    check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
     check_non_negative(fn, "kl_coef", kl_coef)
     check_positive(fn, "max_log_ratio", max_log_ratio)
-    k, k_max = _selection_count(fn, select_frac, mask)
-    A = _per_token(fn, "advantages", advantages, log_probs)
+    num_tokens = torch.count_nonzero(mask)
+    k, k_max = _selection_count(fn, select_frac, num_tokens, mask)
+    A = check_per_token(fn, "advantages", advantages, log_probs)
 
-    log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
-    clamped_log_ratio = _clamp_log_ratio(log_ratio, max_log_ratio)
+    # A where, not a product with the mask: a NaN where masked reaches neither value nor gradient.
+    log_ratio = torch.where(mask, log_probs.float() - old_log_probs.detach().float(), 0.0)
+    clamped_log_ratio = clamp_log_ratio(log_ratio, max_log_ratio=max_log_ratio)
     ratio = torch.exp(clamped_log_ratio)
     with torch.no_grad():
         selected = _first_k(-_covariance(A, log_probs, mask), mask, k, k_max)
     pg_loss = -A * ratio + torch.where(selected, kl_coef * log_ratio.abs(), 0.0)
 
     with torch.no_grad():
-        num_tokens, count = _token_count(mask)
-        metrics = {"kl_cov_frac": _frac(selected, count), "kl_abs": log_ratio.abs().sum() / count}  # 0 where masked
-        metrics.update(_ratio_metrics(clamped_log_ratio, ratio, mask, num_tokens, count))
-    return _aggregate(fn, pg_loss, mask, aggregation, count), metrics
+        count = num_tokens.clamp(min=1)
+        metrics = {"kl_cov_frac": torch.count_nonzero(selected) / count,
+                   "kl_abs": log_ratio.abs().sum() / count}  # 0 where masked
+        metrics.update(ratio_metrics(clamped_log_ratio, ratio, mask, num_tokens=num_tokens))
+    with reraise_as(fn, "aggregation"):
+        loss = Aggregation.of(aggregation)(pg_loss, mask)
+    return loss, metrics

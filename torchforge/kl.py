@@ -21,14 +21,17 @@ from torchforge.errors import (
     ShapeError,
     check_choice,
     check_float,
+    check_mask,
     check_non_negative,
     check_positive,
     check_same_shape,
+    check_temperature,
     check_tensor,
+    reraise_as,
     shape_str,
 )
-from torchforge.log_probs import _check_temperature, _chunk_rows, _row_chunks
-from torchforge.ratios import _clamp_log_ratio
+from torchforge.log_probs import chunk_rows, row_chunks
+from torchforge.ratios import clamp_log_ratio
 
 __all__ = ["KL_ESTIMATORS", "KL_GRADIENTS", "adaptive_kl_coef", "approx_kl", "exact_kl"]
 
@@ -37,12 +40,9 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 KL_GRADIENTS = ("estimator", "straight-through", "bias-corrected")
 
 
-def _log_r(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask=None) -> torch.Tensor:
-    """Schulman's ``log r = log ref - log pi`` in float32; exactly 0 where ``mask`` is False
-    (a ``where``, not a product with the mask, so a NaN there reaches neither the value nor
-    the gradient)."""
-    log_r = ref_log_probs.float() - log_probs.float()
-    return log_r if mask is None else torch.where(mask, log_r, 0.0)
+def _log_r(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """Schulman's ``log r = log ref - log pi``, in float32."""
+    return ref_log_probs.float() - log_probs.float()
 
 
 def _k3(log_r: torch.Tensor, max_ratio: float) -> torch.Tensor:
@@ -72,6 +72,7 @@ def approx_kl(
     weights: torch.Tensor | None = None,
     old_log_probs: torch.Tensor | None = None,
     *,
+    mask: torch.Tensor | None = None,
     estimator: str = "k3",
     gradient: str = "estimator",
     max_ratio: float = 2.0,
@@ -117,6 +118,10 @@ def approx_kl(
         weights: optional [B, T] float importance weights; detached.
         old_log_probs: [B, T] float log pi_old of the same tokens; read only by
             ``gradient="bias-corrected"``.
+        mask: optional bool of the shape of ``log_probs``, True = the token counts; where
+            False the estimate is 0 with no gradient (``log r`` and ``log rho`` are 0
+            there, a NaN in any input there reaches nothing). Keyword-only: a batch's mask
+            is never read by itself.
         estimator: one of ``KL_ESTIMATORS``: ``"k1"``, ``"k2"``, ``"k3"``, ``"abs"``.
         gradient: one of ``KL_GRADIENTS``: ``"estimator"``, ``"straight-through"``,
             ``"bias-corrected"``.
@@ -170,6 +175,8 @@ def approx_kl(
     if weights is not None:
         check_same_shape(fn, "weights", weights, "log_probs", log_probs)
         check_float(fn, "weights", weights)
+    if mask is not None:
+        check_mask(fn, mask, "log_probs", log_probs)
     check_choice(fn, "estimator", estimator, KL_ESTIMATORS)
     check_choice(fn, "gradient", gradient, KL_GRADIENTS)
     if not max_ratio > 1:
@@ -184,12 +191,20 @@ def approx_kl(
         check_same_shape(fn, "old_log_probs", old_log_probs, "log_probs", log_probs)
         check_float(fn, "old_log_probs", old_log_probs)
 
+    # Wheres, not products with the mask: a NaN where masked reaches neither value nor gradient.
+    log_r = _log_r(log_probs, ref_log_probs)
+    if mask is not None:
+        log_r = torch.where(mask, log_r, 0.0)
     rho = None
     if gradient == "bias-corrected":
-        rho = torch.exp(_clamp_log_ratio(log_probs.float() - old_log_probs.detach().float(), max_log_ratio))
-    kl = _estimate(_log_r(log_probs, ref_log_probs), estimator, gradient, max_ratio, rho)
+        log_ratio = log_probs.float() - old_log_probs.detach().float()
+        if mask is not None:
+            log_ratio = torch.where(mask, log_ratio, 0.0)
+        rho = torch.exp(clamp_log_ratio(log_ratio, max_log_ratio=max_log_ratio))
+    kl = _estimate(log_r, estimator, gradient, max_ratio, rho)
     if weights is not None:
-        kl = weights.detach().float() * kl
+        weights = weights.detach().float()
+        kl = (weights if mask is None else torch.where(mask, weights, 0.0)) * kl
     return kl
 
 
@@ -325,10 +340,10 @@ class _ExactKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ref_logits, temperature, chunk_size, dtype):
         out = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
-        for rows in _row_chunks(logits.shape[0], chunk_size):
+        for rows in row_chunks(logits.shape[0], chunk_size):
             out[rows] = _kl_rows(logits[rows], ref_logits[rows], temperature, dtype)
         ctx.masked_rows = torch.isnan(out).nonzero().squeeze(-1)
-        for rows in _row_chunks(ctx.masked_rows, chunk_size):
+        for rows in row_chunks(ctx.masked_rows, chunk_size):
             out[rows] = _kl_rows(logits[rows], ref_logits[rows], temperature, dtype, masked=True)
         # a KL near 0 can sum to a rounding residue below 0 (-4e-18 seen); KL >= 0 exactly
         out.clamp_(min=0.0)
@@ -344,8 +359,8 @@ class _ExactKL(torch.autograd.Function):
         grad_logits = torch.empty_like(logits) if need_logits else None
         grad_ref = torch.empty_like(ref_logits) if need_ref else None
         temperature, chunk_size, dtype = ctx.temperature, ctx.chunk_size, ctx.dtype
-        chunks = [(rows, False) for rows in _row_chunks(logits.shape[0], chunk_size)]
-        chunks += [(rows, True) for rows in _row_chunks(ctx.masked_rows, chunk_size)]
+        chunks = [(rows, False) for rows in row_chunks(logits.shape[0], chunk_size)]
+        chunks += [(rows, True) for rows in row_chunks(ctx.masked_rows, chunk_size)]
         for rows, masked in chunks:  # masked rows overwrite what the fast path wrote
             p, diff, log_q = _kl_chunk(logits[rows], ref_logits[rows], temperature, dtype, masked)
             scale = grad_out[rows].to(dtype).unsqueeze(-1) / temperature
@@ -431,9 +446,10 @@ def exact_kl(
         )
     if logits.shape[-1] == 0:
         raise ShapeError(f"{fn}: logits has shape {shape_str(logits)}; expected a vocabulary V >= 1")
-    temperature = _check_temperature(fn, temperature)
+    temperature = check_temperature(fn, temperature)
     B, T, V = logits.shape
-    chunk_size = _chunk_rows(fn, chunk_size, V)
+    with reraise_as(fn):
+        chunk_size = chunk_rows(V, chunk_size=chunk_size)
 
     dtype = torch.promote_types(torch.promote_types(logits.dtype, ref_logits.dtype), torch.float32)
     kl = _ExactKL.apply(

@@ -27,8 +27,9 @@ from torchforge.errors import (
     ShapeError,
     check_float,
     check_integer,
-    check_positive,
+    check_temperature,
     check_tensor,
+    reraise_as,
     shape_str,
 )
 
@@ -36,6 +37,8 @@ __all__ = [
     "token_log_probs",
     "fused_token_log_probs",
     "token_entropy",
+    "chunk_rows",
+    "row_chunks",
     "LOGITS_CHUNK_ELEMENTS",
     "FUSED_CHUNK_ELEMENTS",
 ]
@@ -58,33 +61,62 @@ _FUSED_BACKWARD_ROWS = 4096
 # Argument checks
 # ----------------------------------------------------------------------------------------
 
-def _check_temperature(fn: str, temperature) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise InvalidArgumentError(f"{fn}: temperature must be a number, got {type(temperature).__name__}")
-    check_positive(fn, "temperature", temperature)
-    if math.isinf(temperature):
-        raise InvalidArgumentError(f"{fn}: temperature must be finite, got {temperature}")
-    return float(temperature)
+def chunk_rows(V: int, *, chunk_size: int | None = None) -> int:
+    """Rows per chunk of a kernel over rows of ``V`` logits: the chunk-size policy of every
+    chunked kernel (``token_log_probs``, ``token_entropy``, ``fused_token_log_probs``,
+    ``exact_kl``).
 
+    ``chunk_size`` when given, else ``max(1, LOGITS_CHUNK_ELEMENTS // V)``: about 8M logits,
+    one 32 MB float32 buffer, per chunk.
 
-def _chunk_rows(fn: str, chunk_size, V: int) -> int:
-    """The chunk-size policy: ``chunk_size`` rows when given (an int >= 1), else about
-    ``LOGITS_CHUNK_ELEMENTS`` logits per chunk, ``LOGITS_CHUNK_ELEMENTS // V`` rows."""
+    Args:
+        V: the vocabulary (row width); >= 0.
+        chunk_size: rows per chunk (an int >= 1), or None for the policy.
+
+    Returns:
+        int >= 1.
+
+    Example:
+        >>> chunk_rows(50_000)                    # 8,388,608 // 50,000
+        167
+        >>> chunk_rows(50_000, chunk_size=64)
+        64
+    """
     if chunk_size is None:
         return max(1, LOGITS_CHUNK_ELEMENTS // max(1, V))
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise InvalidArgumentError(f"{fn}: chunk_size must be an int >= 1 or None, got {chunk_size!r}")
+        raise InvalidArgumentError(f"chunk_rows: chunk_size must be an int >= 1 or None, got {chunk_size!r}")
     return chunk_size
 
 
-def _row_chunks(rows: int | torch.Tensor, chunk_size: int):
-    """The chunk iterator: slices of ``range(rows)`` of at most ``chunk_size`` rows, or,
-    for a 1-D index tensor ``rows``, its pieces of at most ``chunk_size`` indices."""
+def row_chunks(rows: int | torch.Tensor, chunk_size: int):
+    """The chunks a chunked kernel walks: slices of ``range(rows)`` of at most
+    ``chunk_size`` rows, or, for a 1-D index tensor ``rows``, its pieces of at most
+    ``chunk_size`` indices.
+
+    Args:
+        rows: the number of rows, or a 1-D int64 tensor of row indices.
+        chunk_size: the most rows per chunk (see :func:`chunk_rows`); >= 1.
+
+    Returns:
+        An iterator of slices (an int ``rows``) or of 1-D index tensors.
+
+    Example:
+        >>> list(row_chunks(5, 2))
+        [slice(0, 2, None), slice(2, 4, None), slice(4, 5, None)]
+    """
     if isinstance(rows, torch.Tensor):
         yield from rows.split(chunk_size)
         return
     for start in range(0, rows, chunk_size):
         yield slice(start, min(rows, start + chunk_size))
+
+
+def _chunk_rows(fn: str, chunk_size, V: int) -> int:
+    """:func:`chunk_rows`, its errors naming ``fn``."""
+    with reraise_as(fn):
+        return chunk_rows(V, chunk_size=chunk_size)
+
 
 
 def _check_head_transform(fn: str, logit_scale, softcap) -> tuple[float, float | None]:
@@ -150,7 +182,7 @@ def _chunks(x: torch.Tensor, chunk_size: int):
     """``(rows, chunk)`` over the [B, T, V] tensor ``x``: ``chunk`` is the [n, V] view of
     the flat rows ``rows`` (a slice of ``range(B * T)``), at most ``chunk_size`` of them."""
     for first, seg in _segments(x):
-        for rows in _row_chunks(seg.shape[0], chunk_size):
+        for rows in row_chunks(seg.shape[0], chunk_size):
             yield slice(first + rows.start, first + rows.stop), seg[rows]
 
 
@@ -285,7 +317,7 @@ def token_log_probs(
         raise InvalidArgumentError(
             f"{fn}: tokens is on {tokens.device} but logits is on {logits.device}; expected the same device"
         )
-    temperature = _check_temperature(fn, temperature)
+    temperature = check_temperature(fn, temperature)
     chunk_size = _chunk_rows(fn, chunk_size, logits.shape[-1])
     dtype = _compute_dtype(logits.dtype)
     return _TokenLogProbs.apply(logits, tokens.long(), temperature, chunk_size, dtype)
@@ -386,7 +418,7 @@ def token_entropy(
     check_tensor(fn, "logits", logits, ndim=3)
     check_float(fn, "logits", logits)
     _check_vocab(fn, "logits", logits, -1)
-    temperature = _check_temperature(fn, temperature)
+    temperature = check_temperature(fn, temperature)
     chunk_size = _chunk_rows(fn, chunk_size, logits.shape[-1])
     return _TokenEntropy.apply(logits, temperature, chunk_size, _compute_dtype(logits.dtype))
 
@@ -453,7 +485,7 @@ class _FusedTokenLogProbs(torch.autograd.Function):
         n_max = min(N, chunk_size)
         z_flat = torch.empty(n_max * V, dtype=dtype, device=hidden.device)
         mm_flat = torch.empty(n_max * V, dtype=hidden.dtype, device=hidden.device) if hidden.dtype != dtype else None
-        for rows in _row_chunks(N, chunk_size):
+        for rows in row_chunks(N, chunk_size):
             h = hidden[rows]
             n = h.shape[0]
             z = _logits_tile(h, weight, bias, head, _tile(z_flat, n, V), _tile(mm_flat, n, V))
@@ -505,12 +537,12 @@ class _FusedTokenLogProbs(torch.autograd.Function):
         mm_flat = torch.empty(tile_elements, dtype=in_dtype, device=device) if in_dtype != dtype else None
         p_flat = torch.empty(tile_elements, dtype=dtype, device=device) if g_ent is not None else None
         u_flat = torch.empty(tile_elements, dtype=dtype, device=device) if softcap is not None else None
-        for rows in _row_chunks(N, rows_per_tile):
+        for rows in row_chunks(N, rows_per_tile):
             h = hidden[rows]
             tok = tokens[rows]
             lp_scale = g_lp[rows].unsqueeze(-1)
             ent_scale = g_ent[rows].unsqueeze(-1) if g_ent is not None else None
-            for cols in _row_chunks(V, cols_per_tile):
+            for cols in row_chunks(V, cols_per_tile):
                 w = weight[cols]
                 b = bias[cols] if bias is not None else None
                 n, c = h.shape[0], w.shape[0]
@@ -683,7 +715,7 @@ def fused_token_log_probs(
         raise InvalidArgumentError(
             f"{fn}: tokens is on {tokens.device} but hidden is on {hidden.device}; expected the same device"
         )
-    temperature = _check_temperature(fn, temperature)
+    temperature = check_temperature(fn, temperature)
     logit_scale, softcap = _check_head_transform(fn, logit_scale, softcap)
     chunk_size = _chunk_rows(fn, chunk_size, V)
     if not isinstance(return_entropy, bool):

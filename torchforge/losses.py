@@ -13,10 +13,11 @@ ranks with a max / min, not a mean.
 data-parallel size; see :func:`~torchforge.reduce.aggregate` for what each mode means and
 how the counts make the loss exact across micro-batches and ranks.
 
-The alternatives to PPO's clip live beside this module: CISPO, SAPO and GMPO in
-:mod:`torchforge.trust_region_losses`, Clip-Cov and KL-Cov in
-:mod:`torchforge.covariance_losses`; the ratios in :mod:`torchforge.ratios`; the critic's
-loss in :mod:`torchforge.value_losses`.
+The per-token surrogate they share is public, :func:`ppo_surrogate`: a loss of your own
+adds its terms to it before one ``aggregate``. The alternatives to PPO's clip live beside
+this module: CISPO, SAPO and GMPO in :mod:`torchforge.trust_region_losses`, Clip-Cov and
+KL-Cov in :mod:`torchforge.covariance_losses`; the ratios in :mod:`torchforge.ratios`; the
+critic's loss in :mod:`torchforge.value_losses`.
 
 Numerics: float32 maths whatever the input dtype; positions where ``mask`` is False never
 reach the loss, the metrics or the gradient (a NaN there does not leak); an empty mask,
@@ -26,151 +27,141 @@ and finite metrics.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from torchforge.batch import batch_args
 from torchforge.errors import (
     InvalidArgumentError,
-    ShapeError,
     check_choice,
+    check_clip,
     check_float,
+    check_log_probs,
     check_non_negative,
+    check_per_token,
     check_positive,
     check_same_shape,
-    check_tensor,
-    shape_str,
+    reraise_as,
 )
-from torchforge.kl import KL_ESTIMATORS, KL_GRADIENTS, _estimate, _log_r
-from torchforge.ratios import (
-    RATIO_LEVELS,
-    _check_log_probs,
-    _clamp_log_ratio,
-    _masked_log_ratio,
-    _ratio_metrics,
-    _sequence_log_ratio,
-)
-from torchforge.reduce import Aggregation, _count, masked_mean
+from torchforge.kl import KL_ESTIMATORS, KL_GRADIENTS, approx_kl
+from torchforge.ratios import RATIO_LEVELS, clamp_log_ratio, ratio_metrics, sequence_log_ratio
+from torchforge.reduce import Aggregation, masked_mean
 
-__all__ = ["grpo_loss", "ppo_loss", "reinforce_loss"]
+__all__ = ["grpo_loss", "ppo_loss", "ppo_surrogate", "reinforce_loss"]
 
 
-# --- shared by the losses ----------------------------------------------------------------
+@batch_args
+def ppo_surrogate(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    ratio_level: str = "token",
+    max_log_ratio: float = 20.0,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped surrogate per token, unreduced, with the token ratio and the metrics.
 
-def _per_token(fn: str, name: str, x, log_probs: torch.Tensor) -> torch.Tensor:
-    """``x`` of shape [B] (returned as [B, 1], broadcast over T on purpose) or [B, T],
-    detached float32.
+    The base of :func:`ppo_loss` (``aggregate`` of it), :func:`grpo_loss` (plus a KL term)
+    and :func:`~torchforge.covariance_losses.clip_cov_loss`; a loss of your own can add
+    its terms to it before one ``aggregate``.
 
-    A NaN in ``x`` where nothing is counted reaches neither the loss (``aggregate`` drops
-    those positions) nor the gradient: every loss multiplies ``x`` into a term whose
-    input, the log-ratio or the log-prob, is a ``where`` on the mask, whose backward
-    zeroes those positions."""
-    check_tensor(fn, name, x)
-    check_float(fn, name, x)
-    B, T = log_probs.shape
-    if x.dim() == 1 and x.shape[0] == B:
-        return x.detach().float().unsqueeze(-1)
-    if x.shape != log_probs.shape:
-        raise ShapeError(
-            f"{fn}: {name} has shape {shape_str(x)} but log_probs has shape {shape_str(log_probs)}; "
-            f"expected ({B},) or ({B}, {T})"
-        )
-    return x.detach().float()
+    With ``log_ratio = log_probs - old_log_probs`` (0 where ``mask`` is False),
+    ``ratio = exp(clamp(log_ratio, -max_log_ratio, max_log_ratio))`` (GSPO: the row's
+    mean log-ratio, see :func:`~torchforge.ratios.sequence_log_ratio`) and
+    ``A = advantages``:
 
+    ``pg_loss1 = -A * ratio``, ``pg_loss2 = -A * clamp(ratio, 1 - clip_low, 1 + clip_high)``,
+    ``pg_loss = max(pg_loss1, pg_loss2)``; with ``dual_clip = c``:
+    ``pg_loss = min(pg_loss, -c * A)`` where ``A < 0``; then ``pg_loss = weights * pg_loss``.
 
-def _check_clip(fn: str, clip_low, clip_high, dual_clip=None) -> float:
-    """Validate the clip options; return ``clip_high`` (defaulting to ``clip_low``)."""
-    if not 0 <= clip_low <= 1:
-        raise InvalidArgumentError(f"{fn}: clip_low must be in [0, 1], got {clip_low}")
-    clip_high = clip_low if clip_high is None else clip_high
-    check_non_negative(fn, "clip_high", clip_high)
-    if dual_clip is not None and not dual_clip > 1:
-        raise InvalidArgumentError(
-            f"{fn}: dual_clip must be > 1 (the cap is dual_clip * |advantages|), got {dual_clip}"
-        )
-    return clip_high
+    Args:
+        log_probs: [B, T] float log pi of the sampled tokens (carries grad).
+        old_log_probs: [B, T] float log pi_old (detached).
+        advantages: [B] (one per sequence, broadcast over T) or [B, T] float; detached.
+        mask: [B, T] bool, True = the token counts.
+        weights: optional [B] or [B, T] float per-token weights >= 0; detached.
+        clip_low, clip_high, dual_clip, ratio_level, max_log_ratio: as in :func:`ppo_loss`.
 
+    Returns:
+        ``(pg_loss, ratio, metrics)``: the [B, T] float32 per-token loss (any value where
+        ``mask`` is False: reduce it with ``aggregate``); the [B, T] token ratio
+        ``exp(clamp(log_ratio))`` with its gradient, 1 where masked (whatever
+        ``ratio_level``: a term of your own reuses it, as ``grpo_loss``'s bias-corrected KL
+        does); the metrics of :func:`ppo_loss`.
 
-def _aggregate(fn: str, per_token: torch.Tensor, mask: torch.Tensor, aggregation, count=None) -> torch.Tensor:
-    """``aggregate(per_token, mask, **aggregation)``, its errors naming the loss ``fn``.
+    Example:
+        >>> import torch
+        >>> lp = torch.log(torch.tensor([[0.6, 0.3]])).requires_grad_()
+        >>> old = torch.log(torch.tensor([[0.4, 0.3]]))
+        >>> # ratios 1.5 (clipped to 1.2) and 1.0, A = 1
+        >>> pg_loss, ratio, metrics = ppo_surrogate(lp, old, torch.tensor([1.0]), torch.tensor([[True, True]]))
+        >>> pg_loss.detach()
+        tensor([[-1.2000, -1.0000]])
+        >>> ratio.detach(), metrics["clip_frac_high"]
+        (tensor([[1.5000, 1.0000]]), tensor(0.5000))
 
-    ``count``: this call's token count ``_count(mask)`` when the loss has it already; a
-    mode name without global counts then reuses it instead of counting again."""
-    aggregation = Aggregation.of(aggregation)
-    if count is not None and aggregation.num_tokens is None and aggregation.dp_size == 1:
-        aggregation = dataclasses.replace(aggregation, num_tokens=count)
-    try:
-        return aggregation(per_token, mask)
-    except (InvalidArgumentError, ShapeError) as error:
-        raise type(error)(str(error).replace("aggregate: ", f"{fn}: aggregation ", 1)) from None
+    References:
+        PPO, https://arxiv.org/abs/1707.06347; dual-clip PPO, https://arxiv.org/abs/1912.09729;
+        DAPO (clip-higher), https://arxiv.org/abs/2503.14476; GSPO, https://arxiv.org/abs/2507.18071
 
-
-def _token_count(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(N, max(N, 1))``: the counted tokens, and the divisor of the metrics."""
-    num_tokens = _count(mask)
-    return num_tokens, num_tokens.clamp(min=1)
-
-
-def _frac(flags: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Fraction of the ``count`` counted tokens where the bool ``flags`` hold; ``flags``
-    must be False where nothing is counted (every ratio is exactly 1 there)."""
-    return _count(flags) / count
-
-
-def _frac_by_sign(flags: torch.Tensor, A: torch.Tensor, count: torch.Tensor):
-    """``(_frac(flags & (A < 0)), _frac(flags & (A > 0)))``; one count per row when ``A`` is [B, 1]."""
-    if A.shape[-1] == 1:
-        per_row = _count(flags, -1)
-        A = A.squeeze(-1)
-        return (per_row * (A < 0)).sum() / count, (per_row * (A > 0)).sum() / count
-    return _frac(flags & (A < 0), count), _frac(flags & (A > 0), count)
-
-
-# --- the PPO surrogate -----------------------------------------------------------------
-
-def _ppo_per_token(fn, log_probs, old_log_probs, advantages, mask, weights, *,
-                   clip_low, clip_high, dual_clip, ratio_level, max_log_ratio):
-    """The per-token loss of :func:`ppo_loss` (weights applied), its metrics, the token
-    ratio (with gradient), which the bias-corrected KL of :func:`grpo_loss` reuses, and
-    the token count (clamped at 1) the metrics divide by."""
-    _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
-    clip_high = _check_clip(fn, clip_low, clip_high, dual_clip)
+    Note:
+        See :func:`ppo_loss` for how ``max(pg_loss1, pg_loss2)`` is computed and why.
+    """
+    fn = "ppo_surrogate"
+    check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
+    clip_high = check_clip(fn, clip_low, clip_high, dual_clip)
     check_choice(fn, "ratio_level", ratio_level, RATIO_LEVELS)
     check_positive(fn, "max_log_ratio", max_log_ratio)
-    A = _per_token(fn, "advantages", advantages, log_probs)
+    A = check_per_token(fn, "advantages", advantages, log_probs)
+    if weights is not None:
+        weights = check_per_token(fn, "weights", weights, log_probs)
 
-    log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
-    token_log_ratio = _clamp_log_ratio(log_ratio, max_log_ratio)
+    # A where, not a product with the mask: a NaN where masked reaches neither value nor gradient.
+    log_ratio = torch.where(mask, log_probs.float() - old_log_probs.detach().float(), 0.0)
+    token_log_ratio = clamp_log_ratio(log_ratio, max_log_ratio=max_log_ratio)
     token_ratio = torch.exp(token_log_ratio)                    # exactly 1 where masked
     if ratio_level == "token":
         ratio = token_ratio
-    else:
-        seq_log_ratio = torch.where(mask, _sequence_log_ratio(log_ratio, mask), 0.0)  # 0 where masked, as above
-        ratio = torch.exp(_clamp_log_ratio(seq_log_ratio, max_log_ratio))
+    else:  # GSPO-token: the row's mean log-ratio, 0 where masked as above
+        seq_log_ratio = torch.where(mask, sequence_log_ratio(log_ratio, mask), 0.0)
+        ratio = torch.exp(clamp_log_ratio(seq_log_ratio, max_log_ratio=max_log_ratio))
     pg_loss1 = -A * ratio
     pg_loss2 = -A * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    pg_loss = torch.clamp(pg_loss1, min=pg_loss2.detach())      # max(pg_loss1, pg_loss2): see the Note
+    pg_loss = torch.clamp(pg_loss1, min=pg_loss2.detach())      # max(pg_loss1, pg_loss2): see ppo_loss's Note
     if dual_clip is not None:
         pg_loss3 = -A * dual_clip
         pg_loss = torch.where(A < 0, torch.clamp(pg_loss, max=pg_loss3), pg_loss)  # min(pg_loss, pg_loss3)
     if weights is not None:
-        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs)
+        pg_loss = pg_loss * weights
 
     with torch.no_grad():
         # The clip takes a token's gradient where pg_loss2 > pg_loss1: ratio < 1 - clip_low
         # with A < 0, ratio > 1 + clip_high with A > 0 (never where masked: the ratio is 1);
         # the dual clip where ratio > c with A < 0.
-        num_tokens, count = _token_count(mask)
+        num_tokens = torch.count_nonzero(mask)
+        count = num_tokens.clamp(min=1)
         clip_frac_low, clip_frac_high = _frac_by_sign(pg_loss2 > pg_loss1, A, count)
         metrics = {"clip_frac_low": clip_frac_low, "clip_frac_high": clip_frac_high}
         if dual_clip is not None:
             metrics["dual_clip_frac"] = _frac_by_sign(ratio > dual_clip, A, count)[0]
-        metrics.update(_ratio_metrics(
-            token_log_ratio, token_ratio, mask, num_tokens, count,
-            weighing_ratio=None if ratio_level == "token" else ratio,
-        ))
-    return pg_loss, metrics, token_ratio, count
+        metrics.update(ratio_metrics(token_log_ratio, token_ratio, mask, num_tokens=num_tokens,
+                                     weighing_ratio=None if ratio_level == "token" else ratio))
+    return pg_loss, token_ratio, metrics
+
+
+def _frac_by_sign(flags: torch.Tensor, A: torch.Tensor, count: torch.Tensor):
+    """The fractions of the ``count`` counted tokens where the bool ``flags`` hold with
+    ``A < 0`` and with ``A > 0`` (``flags`` False where nothing is counted); one count per
+    row when ``A`` is [B, 1]."""
+    if A.shape[-1] == 1:
+        per_row = torch.count_nonzero(flags, -1)
+        A = A.squeeze(-1)
+        return (per_row * (A < 0)).sum() / count, (per_row * (A > 0)).sum() / count
+    return torch.count_nonzero(flags & (A < 0)) / count, torch.count_nonzero(flags & (A > 0)) / count
 
 
 @batch_args
@@ -198,7 +189,8 @@ def ppo_loss(
     ``pg_loss = max(pg_loss1, pg_loss2)``; with ``dual_clip = c``:
     ``pg_loss = min(pg_loss, -c * A)`` where ``A < 0`` (the loss of a negative-advantage
     token is capped at ``c * |A|`` however large its ratio grows). Then
-    ``loss = aggregate(weights * pg_loss, mask)``.
+    ``loss = aggregate(weights * pg_loss, mask)``, where ``weights * pg_loss`` is
+    :func:`ppo_surrogate`.
 
     Args:
         log_probs: [B, T] float log pi of the sampled tokens (carries grad).
@@ -264,11 +256,14 @@ def ppo_loss(
         makes the textbook formula about 2x slower eagerly on CPU (bench_losses.py).
     """
     fn = "ppo_loss"
-    pg_loss, metrics, _, count = _ppo_per_token(
-        fn, log_probs, old_log_probs, advantages, mask, weights, clip_low=clip_low,
-        clip_high=clip_high, dual_clip=dual_clip, ratio_level=ratio_level, max_log_ratio=max_log_ratio,
-    )
-    return _aggregate(fn, pg_loss, mask, aggregation, count), metrics
+    with reraise_as(fn):
+        pg_loss, _, metrics = ppo_surrogate(
+            log_probs, old_log_probs, advantages, mask, weights, clip_low=clip_low, clip_high=clip_high,
+            dual_clip=dual_clip, ratio_level=ratio_level, max_log_ratio=max_log_ratio,
+        )
+    with reraise_as(fn, "aggregation"):
+        loss = Aggregation.of(aggregation)(pg_loss, mask)
+    return loss, metrics
 
 
 @batch_args
@@ -292,10 +287,10 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss: the PPO clipped surrogate plus a per-token KL penalty to a reference.
 
-    ``per_token = weights * pg_loss + kl_coef * kl`` with ``pg_loss`` exactly as in
-    :func:`ppo_loss` and ``kl = approx_kl(log_probs, ref_log_probs, old_log_probs,
-    estimator=kl_estimator, gradient=kl_gradient)``, then ``loss = aggregate(per_token,
-    mask)``: both terms are reduced the same way.
+    ``per_token = weights * pg_loss + kl_coef * kl`` with ``weights * pg_loss`` the
+    :func:`ppo_surrogate` of :func:`ppo_loss` and ``kl = approx_kl(log_probs,
+    ref_log_probs, old_log_probs, estimator=kl_estimator, gradient=kl_gradient)``, then
+    ``loss = aggregate(per_token, mask)``: both terms are reduced the same way.
 
     Which KL gradient (on samples of pi; see :func:`~torchforge.kl.approx_kl`):
 
@@ -361,25 +356,30 @@ def grpo_loss(
             f"{fn}: kl_coef={kl_coef} needs ref_log_probs ([B, T] log-probs under the "
             "reference policy); pass them, or kl_coef=0"
         )
-    pg_loss, metrics, ratio, count = _ppo_per_token(
-        fn, log_probs, old_log_probs, advantages, mask, weights, clip_low=clip_low,
-        clip_high=clip_high, dual_clip=dual_clip, ratio_level=ratio_level, max_log_ratio=max_log_ratio,
-    )
-    per_token = pg_loss
+    with reraise_as(fn):
+        pg_loss, ratio, metrics = ppo_surrogate(
+            log_probs, old_log_probs, advantages, mask, weights, clip_low=clip_low, clip_high=clip_high,
+            dual_clip=dual_clip, ratio_level=ratio_level, max_log_ratio=max_log_ratio,
+        )
     if kl_coef > 0:
         check_same_shape(fn, "ref_log_probs", ref_log_probs, "log_probs", log_probs)
         check_float(fn, "ref_log_probs", ref_log_probs)
-        # kl = approx_kl(log_probs, ref_log_probs, old_log_probs=old_log_probs, ...) on the
-        # counted tokens: log r is 0 where masked, so a NaN there reaches nothing.
-        log_r = _log_r(log_probs, ref_log_probs.detach(), mask)
-        rho = ratio if kl_gradient == "bias-corrected" else None
-        kl = _estimate(log_r, kl_estimator, kl_gradient, 2.0, rho)  # approx_kl's max_ratio
-        per_token = torch.add(pg_loss, kl, alpha=kl_coef)  # pg_loss + kl_coef * kl, in one kernel
-        with torch.no_grad():  # kl is 0 where masked (log r is): a plain sum
-            metrics["kl"] = kl.detach().sum() / count
+        # "bias-corrected" is the estimate times the token ratio pi / pi_old with its
+        # gradient (as approx_kl computes it): the surrogate's ratio, not a second one.
+        bias_corrected = kl_gradient == "bias-corrected"
+        kl = approx_kl(log_probs, ref_log_probs.detach(), mask=mask, estimator=kl_estimator,
+                       gradient="estimator" if bias_corrected else kl_gradient)
+        if bias_corrected:
+            kl = kl * ratio
+        per_token = torch.add(pg_loss, kl, alpha=kl_coef)     # pg_loss + kl_coef * kl, in one kernel
+        with torch.no_grad():  # kl is 0 where masked: a plain sum
+            metrics["kl"] = kl.sum() / torch.count_nonzero(mask).clamp(min=1)
     else:
+        per_token = pg_loss
         metrics["kl"] = torch.zeros((), device=log_probs.device)
-    return _aggregate(fn, per_token, mask, aggregation, count), metrics
+    with reraise_as(fn, "aggregation"):
+        loss = Aggregation.of(aggregation)(per_token, mask)
+    return loss, metrics
 
 
 @batch_args
@@ -418,12 +418,18 @@ def reinforce_loss(
         reinforcement learning" (1992); RLOO for LLMs, https://arxiv.org/abs/2402.14740
     """
     fn = "reinforce_loss"
-    _check_log_probs(fn, log_probs, mask)
-    A = _per_token(fn, "advantages", advantages, log_probs)
-    lp = torch.where(mask, log_probs.float(), 0.0)
+    check_log_probs(fn, log_probs, mask)
+    A = check_per_token(fn, "advantages", advantages, log_probs)
+    if weights is not None:
+        weights = check_per_token(fn, "weights", weights, log_probs)
+
+    lp = torch.where(mask, log_probs.float(), 0.0)  # a where: a NaN where masked reaches nothing
     pg_loss = -A * lp
     if weights is not None:
-        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs)
+        pg_loss = pg_loss * weights
+
     with torch.no_grad():
         metrics = {"log_prob_mean": masked_mean(lp, mask)}
-    return _aggregate(fn, pg_loss, mask, aggregation), metrics
+    with reraise_as(fn, "aggregation"):
+        loss = Aggregation.of(aggregation)(pg_loss, mask)
+    return loss, metrics

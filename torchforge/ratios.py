@@ -9,7 +9,11 @@ from the same log-ratio.
 
 Because the log-ratio is exactly 0 where ``mask`` is False, every ratio the losses weigh
 tokens by is exactly 1 there: a clip never fires, ``ratio - 1`` and k3 are 0, so the loss
-metrics' counts and sums are plain sums over the batch (see :func:`_ratio_metrics`).
+metrics' counts and sums are plain sums over the batch (see :func:`ratio_metrics`).
+
+The pieces every policy loss shares are public here: :func:`clamp_log_ratio` (the clamp
+before ``exp``), :func:`sequence_log_ratio` (GSPO-token's sequence log-ratio) and
+:func:`ratio_metrics` (the ratio statistics each loss reports).
 """
 
 from __future__ import annotations
@@ -19,28 +23,21 @@ import torch.nn.functional as F
 
 from torchforge.batch import batch_args
 from torchforge.errors import (
+    ShapeError,
     check_choice,
     check_float,
-    check_mask,
+    check_log_probs,
     check_positive,
     check_same_shape,
     check_tensor,
+    reraise_as,
+    shape_str,
 )
-from torchforge.reduce import masked_max, masked_mean, masked_min, masked_sum
+from torchforge.reduce import masked_max, masked_mean, masked_min
 
-__all__ = ["RATIO_LEVELS", "policy_ratio"]
+__all__ = ["RATIO_LEVELS", "clamp_log_ratio", "policy_ratio", "ratio_metrics", "sequence_log_ratio"]
 
 RATIO_LEVELS = ("token", "sequence")
-
-
-def _check_log_probs(fn: str, log_probs, mask, **others) -> None:
-    """``log_probs`` a float [B, T]; ``mask`` bool [B, T]; every tensor in ``others`` float [B, T]."""
-    check_tensor(fn, "log_probs", log_probs, ndim=2)
-    check_float(fn, "log_probs", log_probs)
-    check_mask(fn, mask, "log_probs", log_probs)
-    for name, x in others.items():
-        check_same_shape(fn, name, x, "log_probs", log_probs)
-        check_float(fn, name, x)
 
 
 def _masked_log_ratio(log_probs, other_log_probs, mask) -> torch.Tensor:
@@ -53,19 +50,66 @@ def _masked_log_ratio(log_probs, other_log_probs, mask) -> torch.Tensor:
     return torch.where(mask, log_probs.float() - other_log_probs.detach().float(), 0.0)
 
 
-def _clamp_log_ratio(log_ratio: torch.Tensor, max_log_ratio: float) -> torch.Tensor:
-    """``clamp(log_ratio, -max_log_ratio, max_log_ratio)``; zero gradient where clamped.
+def clamp_log_ratio(log_ratio: torch.Tensor, *, max_log_ratio: float = 20.0) -> torch.Tensor:
+    """The log-ratio clamped before ``exp``, so that every ratio stays finite.
 
-    Written as ``hardtanh`` (the same clamp) because its backward is one elementwise
-    kernel where ``torch.clamp``'s is several."""
+    ``clamp(log_ratio, -max_log_ratio, max_log_ratio)``; zero gradient where clamped.
+
+    Args:
+        log_ratio: [B, T] (any shape) float log-ratio, e.g. ``log_probs - old_log_probs``.
+        max_log_ratio: the bound; > 0.
+
+    Returns:
+        float tensor of the shape of ``log_ratio``.
+
+    Example:
+        >>> import torch
+        >>> clamp_log_ratio(torch.tensor([-50.0, 0.5, 50.0]))
+        tensor([-20.0000,   0.5000,  20.0000])
+
+    Note:
+        The clamp at 20 is verl's; TRL does not clamp. Written as ``hardtanh`` (the same
+        clamp) because its backward is one elementwise kernel where ``torch.clamp``'s is
+        several.
+    """
+    fn = "clamp_log_ratio"
+    check_tensor(fn, "log_ratio", log_ratio)
+    check_positive(fn, "max_log_ratio", max_log_ratio)
     return F.hardtanh(log_ratio, -max_log_ratio, max_log_ratio)
 
 
-def _sequence_log_ratio(log_ratio, mask) -> torch.Tensor:
-    """GSPO-token: ``sg(l_b) + log_ratio - sg(log_ratio)`` with ``l_b`` the mean log-ratio
-    of row b. The value is ``l_b`` at every position of row b; the gradient w.r.t.
-    ``log_probs_bt`` is 1, as in the token case."""
-    return masked_mean(log_ratio.detach(), mask, dim=-1).unsqueeze(-1) + (log_ratio - log_ratio.detach())
+def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO-token's sequence log-ratio: the row's mean log-ratio, with each token's gradient.
+
+    ``l_b = sum_t log_ratio_bt mask_bt / n_b`` (``n_b = sum_t mask_bt``) and
+    ``seq_log_ratio_bt = sg(l_b) + log_ratio_bt - sg(log_ratio_bt)``: its value is ``l_b``
+    at every position of row b, its gradient w.r.t. ``log_ratio_bt`` is 1, as in the token
+    case. ``exp`` of it is the GSPO-token ratio of :func:`policy_ratio`.
+
+    Args:
+        log_ratio: [B, T] float token log-ratio (carries grad).
+        mask: [B, T] bool, True = the token counts.
+
+    Returns:
+        [B, T] float32; ``l_b`` on every position of row b (0 for a row with no counted token).
+
+    Example:
+        >>> import torch
+        >>> lr = torch.tensor([[1.0, 0.0, 5.0]], requires_grad=True)
+        >>> s = sequence_log_ratio(lr, torch.tensor([[True, True, False]]))
+        >>> s.detach()                        # (1 + 0) / 2 everywhere
+        tensor([[0.5000, 0.5000, 0.5000]])
+        >>> s[0, 0].backward(); lr.grad       # the token's own gradient
+        tensor([[1., 0., 0.]])
+
+    References:
+        GSPO (sequence ratio and GSPO-token), https://arxiv.org/abs/2507.18071
+    """
+    fn = "sequence_log_ratio"
+    check_tensor(fn, "log_ratio", log_ratio, ndim=2)
+    with reraise_as(fn):  # masked_mean checks the mask
+        row_mean = masked_mean(log_ratio.detach(), mask, dim=-1).unsqueeze(-1)
+    return row_mean + (log_ratio.float() - log_ratio.detach().float())
 
 
 @batch_args
@@ -121,33 +165,88 @@ def policy_ratio(
         The clamp at ``max_log_ratio = 20`` is verl's; TRL does not clamp.
     """
     fn = "policy_ratio"
-    _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
+    check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
     check_choice(fn, "level", level, RATIO_LEVELS)
     check_positive(fn, "max_log_ratio", max_log_ratio)
     log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
     if level == "sequence":
-        log_ratio = _sequence_log_ratio(log_ratio, mask)
-    return torch.exp(_clamp_log_ratio(log_ratio, max_log_ratio))
+        log_ratio = sequence_log_ratio(log_ratio, mask)
+    return torch.exp(clamp_log_ratio(log_ratio, max_log_ratio=max_log_ratio))
 
 
-def _ratio_metrics(log_ratio, ratio, mask, num_tokens, count, *, weighing_ratio=None) -> dict[str, torch.Tensor]:
-    """``approx_kl``, ``ratio_mean``, ``ratio_min``, ``ratio_max`` over the counted tokens.
+def ratio_metrics(
+    log_ratio: torch.Tensor,
+    ratio: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    weighing_ratio: torch.Tensor | None = None,
+    num_tokens: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The ratio statistics every policy loss reports, over the counted tokens.
 
-    ``log_ratio`` is the clamped token log-ratio, 0 where ``mask`` is False, and ``ratio``
-    its ``exp``, so 1 there: ``ratio - 1`` and k3 are 0 there and their plain sums are the
-    masked sums. ``num_tokens`` is ``count_nonzero(mask)``, ``count`` the same clamped at 1
-    (the divisor). ``approx_kl`` is the k3 estimate of KL(pi_old || pi) on tokens sampled
-    from pi_old, ``mean(ratio - 1 - log_ratio)``, always from the token ratio; the ratio
-    statistics are of ``weighing_ratio`` ([B, T] or [B, 1]) when the loss weighs by
-    another ratio (GSPO, GMPO), else of ``ratio``. The extrema are ``masked_min`` /
-    ``masked_max`` (0 on an empty mask).
+    With ``N`` the counted tokens, ``log_ratio`` the (clamped) token log-ratio
+    ``log pi - log pi_old``, 0 where ``mask`` is False, and ``ratio = exp(log_ratio)``, so
+    1 there:
+
+    ``approx_kl = sum(ratio - 1 - log_ratio) / N``, the k3 estimate of KL(pi_old || pi) on
+    tokens sampled from pi_old; with ``w = weighing_ratio`` (the ratio the loss weighs
+    tokens by, when it is not the token ratio: GSPO's, GMPO's sequence ratio), else
+    ``w = ratio``: ``ratio_mean = sum(w * mask) / N``, ``ratio_min`` and ``ratio_max`` the
+    masked min and max of ``w``. All 0 on an empty mask.
+
+    Args:
+        log_ratio: [B, T] float clamped token log-ratio, 0 where ``mask`` is False.
+        ratio: [B, T] float ``exp(log_ratio)``.
+        mask: [B, T] bool, True = the token counts.
+        weighing_ratio: optional [B, T] or [B, 1] (one per sequence) float ratio the loss
+            weighs tokens by.
+        num_tokens: ``count_nonzero(mask)`` when the caller has counted it already (a loss
+            that divides its own metrics by it); None counts it here.
+
+    Returns:
+        dict of detached float32 scalars: ``approx_kl``, ``ratio_mean``, ``ratio_min``,
+        ``ratio_max`` (combine ``ratio_min`` / ``ratio_max`` over micro-batches and ranks
+        with min / max, the others as token-weighted means).
+
+    Example:
+        >>> import torch
+        >>> log_ratio = torch.tensor([[0.5, -0.5, 0.0]])   # the last token is masked
+        >>> m = ratio_metrics(log_ratio, log_ratio.exp(), torch.tensor([[True, True, False]]))
+        >>> m["ratio_max"], m["ratio_min"]
+        (tensor(1.6487), tensor(0.6065))
+        >>> m["approx_kl"]                    # (e^0.5 - 1.5 + e^-0.5 - 0.5) / 2
+        tensor(0.1276)
+
+    Note:
+        ``approx_kl`` and, without ``weighing_ratio``, ``ratio_mean`` are plain sums over
+        the batch: they rely on ``log_ratio`` being 0 (and ``ratio`` 1) where nothing is
+        counted, as every log-ratio of the losses is.
     """
-    excess = ratio - 1                                          # 0 where masked
-    approx_kl = (excess - log_ratio).sum() / count              # k3 = ratio - 1 - log ratio
-    if weighing_ratio is None:
-        weighing_ratio, ratio_sum = ratio, excess.sum() + num_tokens
-    else:
-        weighing_ratio = weighing_ratio.expand(mask.shape)
-        ratio_sum = masked_sum(weighing_ratio, mask)
-    return {"approx_kl": approx_kl, "ratio_mean": ratio_sum / count,
-            "ratio_min": masked_min(weighing_ratio, mask), "ratio_max": masked_max(weighing_ratio, mask)}
+    fn = "ratio_metrics"
+    check_tensor(fn, "log_ratio", log_ratio, ndim=2)
+    check_float(fn, "log_ratio", log_ratio)
+    check_same_shape(fn, "ratio", ratio, "log_ratio", log_ratio)
+    check_float(fn, "ratio", ratio)
+    if weighing_ratio is not None:
+        check_tensor(fn, "weighing_ratio", weighing_ratio, ndim=2)
+        check_float(fn, "weighing_ratio", weighing_ratio)
+        if weighing_ratio.shape not in (log_ratio.shape, log_ratio.shape[:1] + (1,)):
+            B, T = log_ratio.shape
+            raise ShapeError(
+                f"{fn}: weighing_ratio has shape {shape_str(weighing_ratio)} but log_ratio has shape "
+                f"{shape_str(log_ratio)}; expected ({B}, {T}) or ({B}, 1)"
+            )
+    with torch.no_grad():
+        w = ratio if weighing_ratio is None else weighing_ratio.expand(log_ratio.shape)
+        with reraise_as(fn):  # masked_min and masked_max check the mask
+            ratio_min, ratio_max = masked_min(w, mask), masked_max(w, mask)
+        num_tokens = torch.count_nonzero(mask) if num_tokens is None else num_tokens
+        count = num_tokens.clamp(min=1)
+        excess = ratio.float() - 1                             # 0 where masked
+        approx_kl = (excess - log_ratio.float()).sum() / count  # k3 = ratio - 1 - log ratio
+        if weighing_ratio is None:
+            ratio_sum = excess.sum() + num_tokens              # ratio is 1 where masked
+        else:
+            ratio_sum = torch.where(mask, w.float(), 0.0).sum()
+        return {"approx_kl": approx_kl, "ratio_mean": ratio_sum / count, "ratio_min": ratio_min,
+                "ratio_max": ratio_max}

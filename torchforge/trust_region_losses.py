@@ -15,15 +15,16 @@ from __future__ import annotations
 import torch
 
 from torchforge.batch import batch_args
-from torchforge.errors import check_non_negative, check_positive
-from torchforge.losses import _aggregate, _check_clip, _frac, _per_token, _token_count
-from torchforge.ratios import (
-    _check_log_probs,
-    _clamp_log_ratio,
-    _masked_log_ratio,
-    _ratio_metrics,
+from torchforge.errors import (
+    check_clip,
+    check_log_probs,
+    check_non_negative,
+    check_per_token,
+    check_positive,
+    reraise_as,
 )
-from torchforge.reduce import Aggregation, masked_mean, masked_sum
+from torchforge.ratios import clamp_log_ratio, ratio_metrics
+from torchforge.reduce import Aggregation, masked_mean
 
 __all__ = ["cispo_loss", "gmpo_loss", "sapo_loss"]
 
@@ -80,26 +81,34 @@ def cispo_loss(
         MiniMax-M1, https://arxiv.org/abs/2506.13585
     """
     fn = "cispo_loss"
-    _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
-    clip_high = _check_clip(fn, clip_low, clip_high)
+    check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
+    clip_high = check_clip(fn, clip_low, clip_high)
     check_positive(fn, "max_log_ratio", max_log_ratio)
-    A = _per_token(fn, "advantages", advantages, log_probs)
+    A = check_per_token(fn, "advantages", advantages, log_probs)
+    if weights is not None:
+        weights = check_per_token(fn, "weights", weights, log_probs)
 
-    log_ratio = _clamp_log_ratio(_masked_log_ratio(log_probs, old_log_probs, mask).detach(), max_log_ratio)
+    # sg: the ratio is a detached weight. Wheres, not products with the mask: a NaN where
+    # masked reaches neither value nor gradient.
+    log_ratio = torch.where(mask, log_probs.detach().float() - old_log_probs.detach().float(), 0.0)
+    log_ratio = clamp_log_ratio(log_ratio, max_log_ratio=max_log_ratio)
     ratio = torch.exp(log_ratio)                                # exactly 1 where masked
     lp = torch.where(mask, log_probs.float(), 0.0)
     pg_loss = -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * A * lp
     if weights is not None:
-        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs)
+        pg_loss = pg_loss * weights
 
     with torch.no_grad():
-        num_tokens, count = _token_count(mask)
+        num_tokens = torch.count_nonzero(mask)
+        count = num_tokens.clamp(min=1)
         metrics = {
-            "clip_frac_low": _frac(ratio < 1 - clip_low, count),
-            "clip_frac_high": _frac(ratio > 1 + clip_high, count),
+            "clip_frac_low": torch.count_nonzero(ratio < 1 - clip_low) / count,   # never where masked
+            "clip_frac_high": torch.count_nonzero(ratio > 1 + clip_high) / count,
         }
-        metrics.update(_ratio_metrics(log_ratio, ratio, mask, num_tokens, count))
-    return _aggregate(fn, pg_loss, mask, aggregation, count), metrics
+        metrics.update(ratio_metrics(log_ratio, ratio, mask, num_tokens=num_tokens))
+    with reraise_as(fn, "aggregation"):
+        loss = Aggregation.of(aggregation)(pg_loss, mask)
+    return loss, metrics
 
 
 @batch_args
@@ -168,26 +177,33 @@ def sapo_loss(
         17). ``exp(logsigmoid(.))`` is more precise there, and 2.7x slower.
     """
     fn = "sapo_loss"
-    _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
+    check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
     check_positive(fn, "tau_pos", tau_pos, finite=True)
     check_positive(fn, "tau_neg", tau_neg, finite=True)
     check_positive(fn, "max_log_ratio", max_log_ratio)
-    A = _per_token(fn, "advantages", advantages, log_probs)
+    A = check_per_token(fn, "advantages", advantages, log_probs)
+    if weights is not None:
+        weights = check_per_token(fn, "weights", weights, log_probs)
 
-    log_ratio = _clamp_log_ratio(_masked_log_ratio(log_probs, old_log_probs, mask), max_log_ratio)
+    # A where, not a product with the mask: a NaN where masked reaches neither value nor gradient.
+    log_ratio = torch.where(mask, log_probs.float() - old_log_probs.detach().float(), 0.0)
+    log_ratio = clamp_log_ratio(log_ratio, max_log_ratio=max_log_ratio)
     ratio = torch.exp(log_ratio)                                # exactly 1 where masked
     tau = torch.where(A > 0, tau_pos, tau_neg)
     gate = (4 / tau) * torch.sigmoid(tau * (ratio - 1))
     pg_loss = -A * gate
     if weights is not None:
-        pg_loss = pg_loss * _per_token(fn, "weights", weights, log_probs)
+        pg_loss = pg_loss * weights
 
     with torch.no_grad():
-        num_tokens, count = _token_count(mask)
+        num_tokens = torch.count_nonzero(mask)
         s = torch.sigmoid(tau * (ratio - 1))
-        metrics = {"gate_weight_mean": masked_sum((4 * s * (1 - s)).expand(mask.shape), mask) / count}
-        metrics.update(_ratio_metrics(log_ratio, ratio, mask, num_tokens, count))
-    return _aggregate(fn, pg_loss, mask, aggregation, count), metrics
+        gate_weight = (4 * s * (1 - s)).expand(mask.shape)      # 1 where masked (the ratio is 1)
+        metrics = {"gate_weight_mean": torch.where(mask, gate_weight, 0.0).sum() / num_tokens.clamp(min=1)}
+        metrics.update(ratio_metrics(log_ratio, ratio, mask, num_tokens=num_tokens))
+    with reraise_as(fn, "aggregation"):
+        loss = Aggregation.of(aggregation)(pg_loss, mask)
+    return loss, metrics
 
 
 @batch_args
@@ -196,6 +212,7 @@ def gmpo_loss(
     old_log_probs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
     *,
     clip_low: float = 0.4,
     clip_high: float = 0.4,
@@ -211,8 +228,13 @@ def gmpo_loss(
     ``clipped = min(log_ratio, clip_high)`` where ``A > 0``, ``max(log_ratio, -clip_low)``
     where ``A < 0`` (0 where ``A == 0``); ``ratio_b = exp(sum_t clipped_bt / n_b)``,
     ``A_b = sum_t A_bt / n_b`` (over the counted tokens), ``pg_loss_b = -A_b * ratio_b``
-    at every counted token of row b, ``loss = aggregate(pg_loss, mask)`` (by default
-    ``seq-mean-token-mean``: the mean over sequences, as in the paper).
+    at every counted token of row b, ``loss = aggregate(weights * pg_loss, mask)`` (by
+    default ``seq-mean-token-mean``: the mean over sequences, as in the paper).
+
+    ``weights`` scale each token's share of its row's term, as in :func:`ppo_loss`; with
+    the default aggregation row b weighs ``mean_t weights_bt`` (its counted tokens), so
+    one weight per sequence (``[B]``, e.g. sequence-level importance weights) multiplies
+    that sequence's ``-A_b * ratio_b``. A token's weight does not enter ``ratio_b`` or ``A_b``.
 
     Args:
         log_probs: [B, T] float log pi (carries grad).
@@ -220,6 +242,8 @@ def gmpo_loss(
         advantages: [B] or [B, T] float; detached. The paper's advantages are per
             sequence; per-token ones are averaged over the row (as verl does).
         mask: [B, T] bool, True = the token counts.
+        weights: optional [B] or [B, T] float per-token weights >= 0 (e.g. truncated
+            importance weights from :mod:`torchforge.corrections`); detached.
         clip_low: the log-ratio of a token with ``A < 0`` is kept above ``-clip_low``; >= 0.
         clip_high: the log-ratio of a token with ``A > 0`` is kept below ``clip_high``; >= 0.
         max_log_ratio: clamp on the sequence log-ratio before ``exp``; > 0.
@@ -251,28 +275,37 @@ def gmpo_loss(
         default aggregation here counts only rows with a counted token.
     """
     fn = "gmpo_loss"
-    _check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
+    check_log_probs(fn, log_probs, mask, old_log_probs=old_log_probs)
     check_non_negative(fn, "clip_low", clip_low)
     check_non_negative(fn, "clip_high", clip_high)
     check_positive(fn, "max_log_ratio", max_log_ratio)
-    A = _per_token(fn, "advantages", advantages, log_probs).expand(mask.shape)
+    A = check_per_token(fn, "advantages", advantages, log_probs).expand(mask.shape)
+    if weights is not None:
+        weights = check_per_token(fn, "weights", weights, log_probs)
 
-    log_ratio = _masked_log_ratio(log_probs, old_log_probs, mask)
+    # A where, not a product with the mask: a NaN where masked reaches neither value nor gradient.
+    log_ratio = torch.where(mask, log_probs.float() - old_log_probs.detach().float(), 0.0)
     clipped = torch.where(
         A > 0, log_ratio.clamp(max=clip_high), torch.where(A < 0, log_ratio.clamp(min=-clip_low), 0.0)
     )
-    ratio = torch.exp(_clamp_log_ratio(masked_mean(clipped, mask, dim=-1).unsqueeze(-1), max_log_ratio))
+    seq_log_ratio = masked_mean(clipped, mask, dim=-1).unsqueeze(-1)
+    ratio = torch.exp(clamp_log_ratio(seq_log_ratio, max_log_ratio=max_log_ratio))
     seq_A = masked_mean(A, mask, dim=-1).unsqueeze(-1)
     pg_loss = (-seq_A * ratio).expand(mask.shape)
+    if weights is not None:
+        pg_loss = pg_loss * weights
 
     with torch.no_grad():
         # log_ratio is 0 where masked: neither clip flag holds there
-        num_tokens, count = _token_count(mask)
+        num_tokens = torch.count_nonzero(mask)
+        count = num_tokens.clamp(min=1)
         metrics = {
-            "clip_frac_low": _frac((log_ratio < -clip_low) & (A < 0), count),
-            "clip_frac_high": _frac((log_ratio > clip_high) & (A > 0), count),
+            "clip_frac_low": torch.count_nonzero((log_ratio < -clip_low) & (A < 0)) / count,
+            "clip_frac_high": torch.count_nonzero((log_ratio > clip_high) & (A > 0)) / count,
         }
-        token_log_ratio = _clamp_log_ratio(log_ratio, max_log_ratio)
-        metrics.update(_ratio_metrics(token_log_ratio, torch.exp(token_log_ratio), mask, num_tokens, count,
-                                      weighing_ratio=ratio))
-    return _aggregate(fn, pg_loss, mask, aggregation, count), metrics
+        token_log_ratio = clamp_log_ratio(log_ratio, max_log_ratio=max_log_ratio)
+        metrics.update(ratio_metrics(token_log_ratio, torch.exp(token_log_ratio), mask, weighing_ratio=ratio,
+                                     num_tokens=num_tokens))
+    with reraise_as(fn, "aggregation"):
+        loss = Aggregation.of(aggregation)(pg_loss, mask)
+    return loss, metrics

@@ -15,8 +15,8 @@ from torchforge.errors import (
     check_non_negative,
     check_same_shape,
     check_tensor,
+    reraise_as,
 )
-from torchforge.losses import _aggregate, _frac, _token_count
 from torchforge.reduce import Aggregation
 
 __all__ = ["value_loss"]
@@ -35,9 +35,9 @@ def value_loss(
     """Clipped value-function loss of PPO.
 
     ``values_clipped = old_values + clamp(values - old_values, -clip, clip)``,
-    ``per_token = 0.5 * max((values - returns)**2, (values_clipped - returns)**2)``
-    (``0.5 * (values - returns)**2`` with ``clip=None``), ``loss = aggregate(per_token,
-    mask)``.
+    ``vf_loss1 = (values - returns)**2``, ``vf_loss2 = (values_clipped - returns)**2``,
+    ``vf_loss = 0.5 * max(vf_loss1, vf_loss2)`` (``0.5 * vf_loss1`` with ``clip=None``),
+    ``loss = aggregate(vf_loss, mask)``.
 
     Args:
         values: [B, T] float critic outputs (carry grad).
@@ -65,6 +65,9 @@ def value_loss(
 
     Note:
         ``clip`` is absolute, as in verl's ``cliprange_value`` and TRL's ``cliprange_value``.
+        The terms are formed from the errors ``values - returns`` and ``old_values -
+        returns``, which float32 subtracts exactly when the two are close (Sterbenz): with
+        returns near 1e4 (an ulp of 1e-3) ``old_values + clip`` would round, the errors do not.
     """
     fn = "value_loss"
     check_tensor(fn, "values", values, ndim=2)
@@ -75,19 +78,25 @@ def value_loss(
         check_float(fn, name, x)
     if clip is not None:
         check_non_negative(fn, "clip", clip)
-    # error = values - returns and old_error = old_values - returns, 0 where masked (where
-    # also keeps a NaN there out of the gradient); values - old_values = error - old_error.
+
+    # The equation in terms of the errors values - returns and old_values - returns, 0 where
+    # masked (wheres, not products with the mask: a NaN there reaches neither the loss nor
+    # the gradient); values_clipped - returns = old_error + clamp(error - old_error, ...).
     returns = returns.detach().float()
     error = torch.where(mask, values.float() - returns, 0.0)
+    old_error = torch.where(mask, old_values.detach().float() - returns, 0.0)
+    vf_loss1 = error**2                                         # (values - returns)**2
     if clip is None:
-        per_token = 0.5 * error**2
+        vf_loss = 0.5 * vf_loss1
         metrics = {"clip_frac": torch.zeros((), device=values.device)}
     else:
-        old_error = torch.where(mask, old_values.detach().float() - returns, 0.0)
-        loss1 = error**2
-        loss2 = (old_error + (error - old_error).clamp(-clip, clip)) ** 2
-        per_token = 0.5 * torch.maximum(loss1, loss2)
+        clipped_error = old_error + torch.clamp(error - old_error, -clip, clip)  # values_clipped - returns
+        vf_loss2 = clipped_error**2
+        vf_loss = 0.5 * torch.maximum(vf_loss1, vf_loss2)
         with torch.no_grad():
-            metrics = {"clip_frac": _frac(loss2 > loss1, _token_count(mask)[1])}  # never where masked: both 0
-    return _aggregate(fn, per_token, mask, aggregation), metrics
-
+            count = torch.count_nonzero(mask).clamp(min=1)
+            # never where masked: both terms are 0 there
+            metrics = {"clip_frac": torch.count_nonzero(vf_loss2 > vf_loss1) / count}
+    with reraise_as(fn, "aggregation"):
+        loss = Aggregation.of(aggregation)(vf_loss, mask)
+    return loss, metrics

@@ -118,7 +118,7 @@ def test_training_log_probs_equal_the_rollout_log_probs(model, played):
 
 def test_gae_runs_over_the_model_tokens_only(played):
     """The gap-aware GAE on the episode batch equals GAE on the model tokens cut out of it."""
-    from torchforge.advantages import gae
+    from torchforge.returns import gae
 
     _, batch, _ = played
     values = torch.randn(batch.tokens.shape, generator=torch.Generator().manual_seed(0))

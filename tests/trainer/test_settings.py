@@ -26,12 +26,12 @@ class ShiftedSampler(RLTrainer):
     shift = math.log(2.0)
     rows = slice(None)
 
-    def _rollout(self, step):
-        batch, prompts, rows = super()._rollout(step)
-        shifted = batch.rollout_log_probs.clone()
+    def sample_step(self, step, sampling_round=0):
+        scored = super().sample_step(step, sampling_round)
+        shifted = scored.batch.rollout_log_probs.clone()
         shifted[self.rows] -= self.shift
-        batch.rollout_log_probs = shifted
-        return batch, prompts, rows
+        scored.batch.rollout_log_probs = shifted
+        return scored
 
 
 def _batch(old, rollout, mask):
@@ -118,9 +118,26 @@ def test_mask_drops_the_mismatched_rows_and_keeps_the_denominator(tmp_path, leve
 
 
 def test_rollout_correction_needs_a_weighted_policy_loss():
-    with pytest.raises(InvalidArgumentError, match=r"rollout_correction='tis' with policy_loss='gmpo'; expected a "
+    with pytest.raises(InvalidArgumentError, match=r"rollout_correction='tis' with policy_loss='clip_cov'; expected a "
                                                    r"policy loss that takes per-token weights"):
-        RLConfig(rollout_correction="tis", policy_loss="gmpo")
+        RLConfig(rollout_correction="tis", policy_loss="clip_cov")
+
+
+def test_gmpo_takes_the_rollout_correction_weights():
+    # gmpo_loss takes weights= (as ppo_loss): RLConfig accepts a correction with it, and the
+    # registry passes the weights through, where they scale each token's share of its row
+    from torchforge.trainer.policy_losses import POLICY_LOSS_REGISTRY
+    from torchforge.trust_region_losses import gmpo_loss
+
+    config = RLConfig(rollout_correction="tis", policy_loss="gmpo")
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 5, generator=g)
+    lp, adv, mask = old + 0.1 * torch.randn(4, 5, generator=g), torch.randn(4, generator=g), torch.ones(4, 5).bool()
+    weights = torch.rand(4, 5, generator=g)
+    loss, _ = POLICY_LOSS_REGISTRY["gmpo"](config, lp, old, adv, mask, weights=weights)
+    kwargs = dict(clip_low=config.clip_low, clip_high=config.clip_high, aggregation="token-mean")
+    assert torch.equal(loss, gmpo_loss(lp, old, adv, mask, weights, **kwargs)[0])
+    assert not torch.allclose(loss, gmpo_loss(lp, old, adv, mask, **kwargs)[0])
 
 
 # --- top_entropy_quantile --------------------------------------------------------------------

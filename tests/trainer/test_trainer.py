@@ -134,7 +134,7 @@ def test_mask_truncated_completions_count_for_nothing(tmp_path):
     for key in ("reward", "completions/mean_length", "completions/clipped_ratio"):  # the logs: as sampled
         assert metrics[True][key] == metrics[False][key], key
     # the groups without signal: those of the update, where a truncated completion has no reward
-    from torchforge.corrections import zero_std_groups
+    from torchforge.advantages import zero_std_groups
 
     for flag, batch in ((False, sampled), (True, counted)):
         expected = zero_std_groups(batch.rewards, group_size=4).float().mean().item()

@@ -220,7 +220,7 @@ def gather_over_ranks(values: torch.Tensor) -> torch.Tensor:
     ``out = cat(values_rank0, values_rank1, ...)``, with one ``all_reduce`` of the lengths
     and one ``all_gather`` of the values padded to the longest. Use it for statistics that
     are not sums, such as the entropy quantile of
-    :func:`torchforge.corrections.entropy_threshold`.
+    :func:`torchforge.entropy_selection.entropy_threshold`.
 
     Args:
         values: [N] tensor (N may differ between ranks; dtypes must agree).

@@ -19,9 +19,9 @@ from torch.utils.checkpoint import checkpoint
 
 from torchforge.batch import Batch
 from torchforge.distributed import unwrap_model
-from torchforge.errors import ShapeError, TorchforgeError, shape_str
+from torchforge.errors import ShapeError, TorchforgeError, reraise_as, shape_str
 from torchforge.kl import approx_kl
-from torchforge.log_probs import _chunk_rows, _row_chunks, fused_token_log_probs
+from torchforge.log_probs import chunk_rows, fused_token_log_probs, row_chunks
 from torchforge.loop.packing import check_packable, pack_sequences
 from torchforge.reduce import masked_mean
 
@@ -170,8 +170,9 @@ def _head_log_probs(head, hidden, tokens, *, temperature, logit_scale, softcap, 
     weight = getattr(head, "weight", None)
     V = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else 1
     log_probs, entropy = [], []
-    rows = _chunk_rows("policy_log_probs", chunk_size, V)
-    for r in _row_chunks(B * T, rows):
+    with reraise_as("policy_log_probs"):
+        rows = chunk_rows(V, chunk_size=chunk_size)
+    for r in row_chunks(B * T, rows):
         if torch.is_grad_enabled():
             lp, ent = checkpoint(one_chunk, flat_hidden[r], flat_tokens[r], use_reentrant=False)
         else:
@@ -286,7 +287,7 @@ def policy_log_probs(
 
     Example:
         >>> from torchforge.loop.rollout import rollout
-        >>> from torchforge.trainer.demo import char_tokenizer, tiny_llama
+        >>> from torchforge.loop.tiny_model import char_tokenizer, tiny_llama
         >>> tokenizer = char_tokenizer()
         >>> model = tiny_llama(tokenizer)
         >>> batch = rollout(model, tokenizer, ["12="], num_generations=2, max_new_tokens=3, seed=0)
@@ -444,7 +445,7 @@ class ValueModel(nn.Module):
         the value of the state before completion token t.
 
     Example:
-        >>> from torchforge.trainer.demo import char_tokenizer, tiny_llama
+        >>> from torchforge.loop.tiny_model import char_tokenizer, tiny_llama
         >>> critic = ValueModel(tiny_llama(char_tokenizer()))
         >>> critic.head.out_features
         1

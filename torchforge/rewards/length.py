@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from torchforge.corrections import overlong_penalty
 from torchforge.errors import InvalidArgumentError
 from torchforge.loop.rewards import RewardFunction
+from torchforge.reward_shaping import overlong_penalty
 
 __all__ = ["OverlongPenalty"]
 
@@ -19,7 +19,7 @@ class OverlongPenalty(RewardFunction):
 
     With ``L`` the completion's token count (its counted tokens, stop token included),
     ``L_max = max_completion_length`` and ``L_cache = buffer_length``, the reward is
-    :func:`torchforge.corrections.overlong_penalty`: 0 up to ``L_max - L_cache``, then
+    :func:`torchforge.reward_shaping.overlong_penalty`: 0 up to ``L_max - L_cache``, then
     falling linearly to ``-penalty`` at ``L_max``. A completion cut by the limit (``L =
     L_max``, no stop token) gets the full ``-penalty``. Add it to an accuracy reward.
 
