@@ -95,6 +95,7 @@ import torchforge
 from torchforge import RLTrainer
 from torchforge.trainer.demo import CopyDigitsReward, char_tokenizer, copy_digits_dataset, demo_config, tiny_llama
 from torchforge.trainer.tracking import MetricsLogger
+from torchforge.trainer import rollouts
 
 try:
     import trl
@@ -726,7 +727,7 @@ def _timed_run(tokenizer, dataset, setting, workdir, changes, steps, threads):
     trainer = RLTrainer(model=build_model(tokenizer, setting["no_eos"]), tokenizer=tokenizer, config=cfg,
                         reward_functions=[CopyDigitsReward()], train_dataset=dataset)
     ends, sampling = [], []
-    train_step, rollout = trainer.train_step, trainer._rollout
+    train_step, rollout = trainer.train_step, rollouts.rollout
 
     def timed_step(step):
         metrics = train_step(step)
@@ -739,11 +740,12 @@ def _timed_run(tokenizer, dataset, setting, workdir, changes, steps, threads):
         sampling.append(time.perf_counter() - start)
         return out
 
-    trainer.train_step, trainer._rollout = timed_step, timed_rollout
+    trainer.train_step, rollouts.rollout = timed_step, timed_rollout  # the single-turn strategy's sampler
     begin = time.perf_counter()
     try:
         trainer.train()
     finally:
+        rollouts.rollout = rollout
         trainer.close_engine()
     intervals = [b - a for a, b in zip([begin] + ends[:-1], ends)]
     return intervals, sampling, trainer.history

@@ -348,6 +348,29 @@ def global_values() -> torch.Tensor:
     return 1e4 + torch.randint(-16, 17, (GLOBAL_B, SEQ_LEN - 1), generator=g).float() / 4
 
 
+def step_metric_parts() -> list[tuple[dict, float]]:
+    """Micro-batch metrics and their counted tokens, as a loss returns them: rank r takes parts r, r + n, ...
+    (the third part counts no token: its extremes never win)."""
+    from torchforge.loop.metrics import Metric
+
+    values = [(0.5, 1.5, 0.9, 0.25, 3.0), (0.1, 1.2, 0.7, -0.5, 4.0), (0.9, 99.0, -99.0, 1.0, 99.0),
+              (0.3, 1.1, 0.8, 0.125, 1.0)]
+    tokens = [3.0, 1.0, 0.0, 4.0]
+    return [({"clip_frac": torch.tensor(c), "ratio_max": torch.tensor(hi), "ratio_min": torch.tensor(lo),
+              "pg_loss": torch.tensor(pg), "top_margin": Metric(torch.tensor(m), "max")}, t)
+            for (c, hi, lo, pg, m), t in zip(values, tokens)]
+
+
+def step_metrics_of(parts: list[tuple[dict, float]]):
+    """A StepMetrics holding ``parts``, each weighted by its tokens."""
+    from torchforge.loop.metrics import StepMetrics
+
+    metrics = StepMetrics()
+    for values, tokens in parts:
+        metrics.update(values, weight=tokens)
+    return metrics
+
+
 def scenario_statistics(out: Path) -> None:
     """Masked statistics with sum_over_ranks, extrema and gathers over ranks (one file per rank)."""
     from torchforge.distributed import (
@@ -375,6 +398,7 @@ def scenario_statistics(out: Path) -> None:
         "extrema": reduce_metric_extrema({"rank_max": float(r), "empty_max": -math.inf},
                                          {"rank_min": torch.tensor(float(r)), "only_1": math.inf if r == 0 else 7.0}),
         "gathered": gather_over_ranks(torch.arange(3.0 - 2 * r) + 10 * r),
+        "step_metrics": step_metrics_of(step_metric_parts()[r::n]).reduce(),
     }
     torch.save(results, out / f"statistics_rank{r}.pt")
 

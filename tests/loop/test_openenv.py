@@ -246,9 +246,9 @@ def test_through_rl_trainer(server, tmp_path):
     config = multi_turn_demo_config(max_steps=1, prompts_per_step=2, num_generations=2, progress_bar=False,
                                     output_dir=str(tmp_path), save_steps=None, max_turns=3)
     trainer = RLTrainer(config=config, environment_factory=openenv_environment(server.url))
+    returns = trainer.sample_step(0).episodes.returns  # step 0's episodes, sampled again by train_step (seeded)
     metrics = trainer.train_step(0)
     assert metrics["episodes/turns_mean"] == 2.0 and metrics["episodes/faulted_frac"] == 0.0
-    returns = trainer.episodes.returns
     assert metrics["rewards/environment/mean"] == pytest.approx(float(returns.mean()))
     assert math.isfinite(metrics["loss"])
 

@@ -141,6 +141,7 @@ def _trainer_settings(tmp_path):
 def test_rltrainer_scores_its_completions_with_the_reward_model(rm_dir, tmp_path):
     from torchforge import RLConfig, RLTrainer
     from torchforge.loop import decode_completions
+    from torchforge.trainer.rollouts import render_prompt
 
     tokenizer = char_tokenizer()
     trainer = RLTrainer(model=tiny_llama(tokenizer), tokenizer=tokenizer, config=RLConfig(**_trainer_settings(tmp_path)),
@@ -148,7 +149,7 @@ def test_rltrainer_scores_its_completions_with_the_reward_model(rm_dir, tmp_path
                         train_dataset=copy_digits_dataset(8))
     batch, per_function = trainer.sample(0)
     completions, _ = decode_completions(tokenizer, batch)
-    prompts = [trainer._render(row["prompt"]) for row in trainer._rows(0)[0] for _ in range(2)]
+    prompts = [render_prompt(tokenizer, row["prompt"]) for row in trainer._rows(0)[0] for _ in range(2)]
     expected = _own_forward(rm_dir, [p + c for p, c in zip(prompts, completions)])
     torch.testing.assert_close(per_function["rm"], torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-5)
     trainer.train()

@@ -215,7 +215,7 @@ def _trained_prompts(trainer, taken=None):
 
             def recording(s, **kw):
                 sampled, metrics = take(s, **kw)
-                taken.append((s, [row["prompt"] for row in sampled.payload[2]]))
+                taken.append((s, [row["prompt"] for row in sampled.payload.rows]))
                 return sampled, metrics
 
             gen.take, gen._recorded = recording, True

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from torchforge.trainer.cli import import_object, load_run_config, main
+from torchforge.trainer.cli import main
 from torchforge.trainer.demo import char_tokenizer, copy_digits_dataset, tiny_llama
-from torchforge.errors import InvalidArgumentError
 
 QUICK = ["max_steps=2", "prompts_per_step=4", "num_generations=4", "progress_bar=false"]
 
@@ -64,16 +63,6 @@ def test_a_real_run_from_a_config_file(tmp_path, capsys):
     assert len(rows) == 2 and {"rewards/copy_digits/mean", "rewards/length_reward/mean"} <= set(rows[0])
 
 
-def test_a_datasets_folder_is_accepted(tmp_path):
-    from datasets import Dataset
-
-    from torchforge.trainer.cli import _dataset
-
-    Dataset.from_list(copy_digits_dataset(4)).save_to_disk(tmp_path / "ds")
-    data = _dataset(str(tmp_path / "ds"))
-    assert len(data) == 4 and data[0]["prompt"].endswith("=")
-
-
 def test_plot_command(tmp_path, capsys):
     run = tmp_path / "run"
     main(["train", *QUICK, "max_steps=1", f"output_dir={run}"])
@@ -91,24 +80,6 @@ def test_plot_command(tmp_path, capsys):
 def test_bad_settings_exit_2_with_the_reason(argv, message, capsys):
     assert main(argv) == 2
     assert re.search(message, capsys.readouterr().err)
-
-
-def test_settings_parse_as_yaml_values(tmp_path):
-    config = tmp_path / "c.yaml"
-    config.write_text("learning_rate: 1e-3\nmax_steps: 5\noutput_dir: 1e3run\n")
-    values = load_run_config(str(config), ["max_steps=7", "clip_high=0.28", "stop_token_ids=[5, 6]",
-                                           "max_grad_norm=null", "warmup_steps=1e1", "reward_weights=[1e-1, 2]"])
-    # 1e-3 is a string to YAML 1.1: read as the float it means (but not a name like "1e3run")
-    assert values == {"learning_rate": 1e-3, "max_steps": 7, "clip_high": 0.28, "stop_token_ids": [5, 6],
-                      "max_grad_norm": None, "warmup_steps": 10.0, "reward_weights": [0.1, 2],
-                      "output_dir": "1e3run"}
-
-
-def test_import_object():
-    assert import_object("tests.trainer.test_cli.length_reward") is length_reward
-    assert import_object("tests.trainer.test_cli:length_reward") is length_reward
-    with pytest.raises(InvalidArgumentError, match=r"import_object: cannot import 'tests.trainer.test_cli.nothing'"):
-        import_object("tests.trainer.test_cli.nothing")
 
 
 def test_python_dash_m_runs_the_command_and_help_lists_every_setting_with_its_default(tmp_path):

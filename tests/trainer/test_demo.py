@@ -1,48 +1,22 @@
-"""The embedded demo task: the character tokenizer, the tiny Llama, the copy data and reward."""
+"""The embedded demo task: the copy data, its reward and the demo's settings (the tokenizer and
+model it trains are tested in tests/loop/test_tiny_model.py)."""
 
 import collections
 
 import pytest
-import torch
 
 from torchforge.errors import InvalidArgumentError
-from torchforge.trainer.demo import (
-    CHARACTERS,
-    SPECIAL_TOKENS,
-    CopyDigitsReward,
-    char_tokenizer,
-    copy_digits_dataset,
-    demo_config,
-    tiny_llama,
-)
+from torchforge.loop import tiny_model
+from torchforge.loop.tiny_model import SPECIAL_TOKENS
+from torchforge.trainer.demo import CopyDigitsReward, char_tokenizer, copy_digits_dataset, demo_config, tiny_llama
 
 EOS = SPECIAL_TOKENS.index("<eos>")
 
 
-def test_the_tokenizer_maps_each_character_to_one_token_and_back():
-    tokenizer = char_tokenizer()
-    assert len(tokenizer) == len(SPECIAL_TOKENS) + len(CHARACTERS)
-    ids = tokenizer(CHARACTERS)["input_ids"]
-    assert ids == list(range(len(SPECIAL_TOKENS), len(tokenizer)))
-    assert tokenizer.decode(ids) == CHARACTERS
-    assert tokenizer("4a")["input_ids"] == [8, SPECIAL_TOKENS.index("<unk>")]  # one token per character
-    batch = tokenizer(["1=", "123="], padding=True)["input_ids"]
-    assert batch[0][:2] == [tokenizer.pad_token_id] * 2  # left padding, for generate
-    assert char_tokenizer(pad_token=False).pad_token is None
-
-
-def test_tiny_llama_is_seeded_and_leaves_the_global_rng_alone():
-    tokenizer = char_tokenizer()
-    torch.manual_seed(123)
-    state = torch.get_rng_state()
-    a, b, c = tiny_llama(tokenizer, seed=1), tiny_llama(tokenizer, seed=1), tiny_llama(tokenizer, seed=2)
-    assert torch.equal(torch.get_rng_state(), state)
-    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
-        assert torch.equal(pa, pb), name
-    assert any(not torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters()))
-    config = a.config
-    assert (config.vocab_size, config.eos_token_id, config.pad_token_id) == (len(tokenizer), EOS, 0)
-    assert a.training and a.dtype == torch.float32
+def test_the_demo_gives_the_whole_task_in_one_import():
+    # README and notebooks: from torchforge.trainer.demo import CopyDigitsReward, char_tokenizer, ...
+    assert char_tokenizer is tiny_model.char_tokenizer and tiny_llama is tiny_model.tiny_llama
+    assert CopyDigitsReward().eos_token_id == char_tokenizer().eos_token_id
 
 
 def test_copy_digits_rows_are_seeded_and_their_digits_uniform():

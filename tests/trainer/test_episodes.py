@@ -38,14 +38,14 @@ def test_environment_and_reward_functions_are_summed_weighted(tmp_path):
 
     trainer = RLTrainer(config=small(tmp_path, reward_weights=[2.0]), environment_factory=Weighted,
                         reward_functions=[transcript_length])
-    batch, parts = trainer.sample(0)
-    lengths = trainer.episodes.lengths
+    scored = trainer.sample_step(0)
+    batch, parts, lengths = scored.batch, scored.per_function, scored.episodes.lengths
     # the function saw the transcript: model and environment tokens after the prompt (no specials)
     transcripts = trainer.tokenizer.batch_decode([row[:n] for row, n in zip(batch.tokens.tolist(), lengths.tolist())],
                                                  skip_special_tokens=True)
     torch.testing.assert_close(parts["transcript_length"],
                                torch.tensor([float(len(t)) for t in transcripts], dtype=torch.float64))
-    torch.testing.assert_close(parts["environment"], trainer.episodes.returns)
+    torch.testing.assert_close(parts["environment"], scored.episodes.returns)
     torch.testing.assert_close(batch.rewards, 0.5 * parts["environment"] + 2.0 * parts["transcript_length"])
 
 

@@ -140,7 +140,7 @@ def test_eval_stops_at_eos_as_well_as_the_configured_stop_ids(run):
     # stop_token_ids adds stop ids to eos, in evaluation as in training
     from torchforge.loop import evaluate
     from torchforge.loop.rollout import completion_stop_ids
-    from torchforge.trainer.eval_command import evaluate_dataset
+    from torchforge.trainer.evaluation import evaluate_dataset
 
     tokenizer = demo.char_tokenizer()
     rows = demo.copy_digits_dataset(8, seed=2)

@@ -35,6 +35,7 @@ from torchforge.loop.rollout import (
     decode_completions,
     rollout,
 )
+from torchforge.loop.metrics import Metric, StepMetrics
 from torchforge.loop.update import (
     accumulate_gradients,
     micro_batches,
@@ -75,6 +76,8 @@ __all__ = [
     "completion_lengths",
     "PACKABLE_ATTENTION",
     "accumulate_gradients",
+    "Metric",
+    "StepMetrics",
     "optimizer_step",
     "evaluate",
     "pass_at_k",

@@ -218,7 +218,7 @@ class HFEngine:
         A :class:`GenerationEngine`.
 
     Example:
-        >>> from torchforge.trainer.demo import char_tokenizer, tiny_llama
+        >>> from torchforge.loop.tiny_model import char_tokenizer, tiny_llama
         >>> engine = HFEngine(tiny_llama(char_tokenizer()))
         >>> out = engine.generate([[8, 4, 11, 14]], seeds=[1], settings=SamplingSettings(max_new_tokens=3, stop_token_ids=(2,)))
         >>> len(out[0].token_ids) == len(out[0].log_probs) <= 3, out[0].weights_version
@@ -368,7 +368,7 @@ def make_engine(engine: str, model: nn.Module, tokenizer: Any, *, engine_args: d
         A :class:`GenerationEngine` at ``weights_version`` 0; "hf" samples with ``model`` itself.
 
     Example:
-        >>> from torchforge.trainer.demo import char_tokenizer, tiny_llama
+        >>> from torchforge.loop.tiny_model import char_tokenizer, tiny_llama
         >>> type(make_engine("hf", tiny_llama(char_tokenizer()), char_tokenizer())).__name__
         'HFEngine'
     """

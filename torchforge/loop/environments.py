@@ -500,7 +500,7 @@ def rollout_episodes(
         ``truncated`` [B]; and an :class:`Episodes` record (turns, returns, reasons, ...).
 
     Example:
-        >>> from torchforge.trainer.demo import char_tokenizer, tiny_llama
+        >>> from torchforge.loop.tiny_model import char_tokenizer, tiny_llama
         >>> class Twice(Environment):
         ...     def reset(self, row):
         ...         return row["prompt"]

@@ -155,9 +155,11 @@ def evaluate(
         ``greedy``), ``eval/mean_length``, ``eval/clipped_ratio``, ``eval/num_prompts``.
 
     Example:
-        >>> from torchforge.trainer.demo import CopyDigitsReward, char_tokenizer, tiny_llama
+        >>> from torchforge.loop.tiny_model import char_tokenizer, tiny_llama
+        >>> def copies(prompts, completions, **columns):  # 1 for a completion that repeats the digits
+        ...     return [float(c == p.rstrip("=")) for p, c in zip(prompts, completions)]
         >>> tokenizer = char_tokenizer()
-        >>> out = evaluate(tiny_llama(tokenizer), tokenizer, ["12=", "7="], [CopyDigitsReward()],
+        >>> out = evaluate(tiny_llama(tokenizer), tokenizer, ["12=", "7="], [copies],
         ...                num_generations=4, k=2, max_new_tokens=3)
         >>> sorted(out)[:4], out["eval/num_prompts"]
         (['eval/clipped_ratio', 'eval/greedy_accuracy', 'eval/greedy_reward', 'eval/mean_length'], 2.0)

@@ -257,7 +257,7 @@ def check_packable(
         None; raises ``TorchforgeError`` for a model that cannot be packed.
 
     Example:
-        >>> from torchforge.trainer.demo import char_tokenizer, tiny_llama
+        >>> from torchforge.loop.tiny_model import char_tokenizer, tiny_llama
         >>> check_packable(tiny_llama(char_tokenizer()))  # Llama with sdpa: packable
     """
     inner = unwrap_model(model)

@@ -66,7 +66,7 @@ class HFProcessEngine:
         A :class:`~torchforge.loop.engines.GenerationEngine`; :meth:`close` stops the worker.
 
     Example:
-        >>> from torchforge.trainer.demo import char_tokenizer, tiny_llama
+        >>> from torchforge.loop.tiny_model import char_tokenizer, tiny_llama
         >>> engine = HFProcessEngine(tiny_llama(char_tokenizer()))  # doctest: +SKIP
         >>> engine.generate([[8, 4]], seeds=[1], settings=SamplingSettings(max_new_tokens=2, stop_token_ids=(2,)))  # doctest: +SKIP
         >>> engine.close()  # doctest: +SKIP

@@ -129,7 +129,7 @@ def rollout(
         ``policy_version`` [B] int64 (the engine's weights version of each completion).
 
     Example:
-        >>> from torchforge.trainer.demo import char_tokenizer, tiny_llama
+        >>> from torchforge.loop.tiny_model import char_tokenizer, tiny_llama
         >>> tokenizer = char_tokenizer()
         >>> batch = rollout(tiny_llama(tokenizer), tokenizer, ["12=", "7="], num_generations=2,
         ...                 max_new_tokens=3, seed=0)
@@ -230,7 +230,7 @@ def decode_completions(tokenizer: Any, batch: Batch) -> tuple[list[str], list[li
         the counted token ids (stop token included).
 
     Example:
-        >>> from torchforge.trainer.demo import char_tokenizer
+        >>> from torchforge.loop.tiny_model import char_tokenizer
         >>> tokens = torch.tensor([[8, 4, 2, 2], [5, 5, 5, 5]])   # "40<eos><pad>", "1111"
         >>> mask, _ = completion_mask(tokens, [2])
         >>> decode_completions(char_tokenizer(), Batch(tokens=tokens, mask=mask, batch_size=[2]))

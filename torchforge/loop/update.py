@@ -11,6 +11,7 @@ import torch
 
 from torchforge.batch import Batch
 from torchforge.distributed import global_counts, reduce_metric_extrema, world_size
+from torchforge.loop.metrics import Metric, StepMetrics, metric_reduction
 from torchforge.errors import InvalidArgumentError, ShapeError, shape_str
 from torchforge.reduce import Aggregation
 
@@ -157,10 +158,11 @@ def micro_batches_by_tokens(batch: Batch, max_tokens: int, *, group_size: int = 
 
 def accumulate_gradients(
     parts: Sequence[Batch],
-    loss_fn: Callable[[Batch, Aggregation], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    loss_fn: Callable[[Batch, Aggregation], tuple[torch.Tensor, dict[str, Any]]],
     *,
     mode: str = "token-mean",
     norm_length: int | None = None,
+    metrics: StepMetrics | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward and backward every micro-batch of one optimizer step, with exact aggregation.
 
@@ -172,19 +174,24 @@ def accumulate_gradients(
     Args:
         parts: the micro-batches of this step on this rank (each with ``mask``).
         loss_fn: ``(micro_batch, aggregation) -> (loss, metrics)``; it runs the forward.
+            Its metrics are scalar tensors, reduced as their names say
+            (:func:`~torchforge.loop.metrics.metric_reduction`), or
+            :class:`~torchforge.loop.metrics.Metric` values stating their reduction.
         mode: the aggregation mode.
         norm_length: constant length of ``seq-mean-token-sum-norm``.
+        metrics: a :class:`~torchforge.loop.metrics.StepMetrics` to accumulate the metrics
+            into (each micro-batch weighted by its counted tokens); default: a new one.
 
     Returns:
-        ``(loss, metrics)``: the step's loss on this rank (the sum over micro-batches,
-        detached) and, per metric, its token-weighted sum over micro-batches divided by
-        this rank's tokens (local means; reduce across ranks as sums for logging). A
-        metric named ``*_max`` / ``*_min`` (:func:`metric_reduction`) is an extreme: its
-        max / min over the micro-batches with counted tokens (``-inf`` / ``+inf`` when
-        none has any; reduce across ranks with
-        :func:`torchforge.distributed.reduce_metric_extrema`). A metric named ``*_loss``
-        is a term of the loss, aggregated as the loss is: summed over micro-batches like
-        the loss (over ranks: summed, then divided by the number of ranks, as the loss).
+        ``(loss, metrics)``: this rank's share of the step's loss (the sum over
+        micro-batches, detached; the ranks' shares average to the loss) and
+        ``metrics.local()``: token-weighted means over the micro-batches, the extreme of
+        the micro-batches with counted tokens for ``*_max`` / ``*_min`` (``-inf`` /
+        ``+inf`` when none has any), and for a term of the loss (``*_loss``, computed with
+        the global counts, as the loss) this rank's share: summed over micro-batches and
+        divided by the number of ranks, so that the ranks' shares add up to the term.
+        Nothing leaves the device: :meth:`~torchforge.loop.metrics.StepMetrics.reduce`
+        combines the ranks once.
 
     Example:
         >>> w = torch.nn.Parameter(torch.tensor(2.0))
@@ -197,55 +204,19 @@ def accumulate_gradients(
     num_tokens, num_sequences = global_counts([p.mask for p in parts])
     aggregation = Aggregation(mode, num_tokens=num_tokens, num_sequences=num_sequences,
                               dp_size=world_size(), norm_length=norm_length)
-    total = torch.zeros((), dtype=torch.float32)
-    combined: dict[str, torch.Tensor] = {}
-    local_tokens = sum(int(p.mask.sum()) for p in parts)
+    metrics = metrics if metrics is not None else StepMetrics()
+    total = None
     for part in parts:
-        loss, metrics = loss_fn(part, aggregation)
+        loss, part_metrics = loss_fn(part, aggregation)
         loss.backward()
-        total += loss.detach().float().cpu()
-        weight = int(part.mask.sum())
-        for key, value in metrics.items():
-            value = torch.as_tensor(value).detach().float().cpu()
-            kind = metric_reduction(key)
-            if kind == "mean":
-                combined[key] = combined.get(key, 0.0) + weight * value
-            elif kind == "sum":
-                combined[key] = combined.get(key, 0.0) + value
-            else:  # an empty micro-batch's extreme is a fill value, not a token's: it never wins
-                fill = torch.tensor(-math.inf if kind == "max" else math.inf)
-                value = value if weight else fill
-                combined[key] = (torch.maximum if kind == "max" else torch.minimum)(combined.get(key, fill), value)
-    return total, {k: v / max(local_tokens, 1) if metric_reduction(k) == "mean" else v for k, v in combined.items()}
-
-
-def metric_reduction(name: str) -> str:
-    """How a loss metric combines over micro-batches and ranks: "max", "min", "sum" or "mean".
-
-    A metric named ``*_max`` (``ratio_max``) is a maximum and ``*_min`` a minimum: a mean
-    of per-micro-batch maxima is not the maximum of the batch. A metric named ``*_loss``
-    (PPO's ``pg_loss``, ``value_loss``) is a term of the loss, computed with the step's
-    global counts as the loss is: each micro-batch's value is its share, so the shares add
-    up (a token-weighted mean of them would depend on the micro-batch size). Every other
-    metric is a mean over counted tokens, combined as a token-weighted mean.
-
-    Args:
-        name: the metric's name.
-
-    Returns:
-        "max", "min", "sum" or "mean".
-
-    Example:
-        >>> [metric_reduction(k) for k in ("ratio_max", "ratio_min", "value_loss", "clip_frac_low")]
-        ['max', 'min', 'sum', 'mean']
-    """
-    if name.endswith("_max"):
-        return "max"
-    if name.endswith("_min"):
-        return "min"
-    if name.endswith("_loss"):
-        return "sum"
-    return "mean"
+        total = loss.detach().float() if total is None else total + loss.detach().float()
+        tokens = torch.count_nonzero(part.mask)
+        for key, value in part_metrics.items():
+            if not isinstance(value, Metric) and metric_reduction(key) == "sum":  # a loss term: its rank's share
+                value = torch.as_tensor(value) / aggregation.dp_size
+            metrics.add(key, value, weight=tokens)
+    total = torch.zeros((), dtype=torch.float32) if total is None else total
+    return total, metrics.local()
 
 
 def optimizer_step(

@@ -67,7 +67,7 @@ class LLMJudge(RewardFunction):
 
     Example:
         >>> from torchforge.loop.engines import Completion
-        >>> from torchforge.trainer.demo import char_tokenizer
+        >>> from torchforge.loop.tiny_model import char_tokenizer
         >>> class Says7:  # a stand-in engine: always answers "7"
         ...     weights_version = 0
         ...     def generate(self, prompt_token_ids, *, seeds, settings):

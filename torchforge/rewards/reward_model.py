@@ -90,7 +90,7 @@ class RewardModel(RewardFunction):
     Example:
         >>> import tempfile
         >>> from transformers import LlamaConfig, LlamaForSequenceClassification
-        >>> from torchforge.trainer.demo import char_tokenizer
+        >>> from torchforge.loop.tiny_model import char_tokenizer
         >>> tokenizer = char_tokenizer()
         >>> config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
         ...     num_hidden_layers=1, num_attention_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id)

@@ -55,7 +55,7 @@ def reference_log_probs(model: nn.Module, prompt: Sequence[int], completion: Seq
         [T] float32.
 
     Example:
-        >>> from torchforge.trainer.demo import char_tokenizer, tiny_llama
+        >>> from torchforge.loop.tiny_model import char_tokenizer, tiny_llama
         >>> lp = reference_log_probs(tiny_llama(char_tokenizer()), [8, 4], [5, 2], SamplingSettings(max_new_tokens=2, stop_token_ids=(2,)))
         >>> lp.shape, bool((lp < 0).all())
         (torch.Size([2]), True)
@@ -110,7 +110,7 @@ def check_engine(engine: GenerationEngine, model: nn.Module, *, stop_token_ids: 
 
     Example:
         >>> from torchforge.loop import HFEngine
-        >>> from torchforge.trainer.demo import char_tokenizer, tiny_llama
+        >>> from torchforge.loop.tiny_model import char_tokenizer, tiny_llama
         >>> model = tiny_llama(char_tokenizer())
         >>> check_engine(HFEngine(model), model)
     """

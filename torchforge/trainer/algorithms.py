@@ -67,25 +67,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchforge.advantages import (
-    gae,
-    group_advantages,
-    kl_penalized_rewards,
-    reinforce_pp_advantages,
-    rloo_advantages,
-)
+from torchforge.advantages import group_advantages, rloo_advantages
 from torchforge.batch import Batch
-from torchforge.corrections import (
-    high_entropy_mask,
-    ratio_mask,
-    truncated_importance_weights,
-)
+from torchforge.corrections import ratio_mask, truncated_importance_weights
 from torchforge.distributed import sum_over_ranks
+from torchforge.entropy_selection import high_entropy_mask
 from torchforge.errors import TorchforgeError
 from torchforge.kl import approx_kl
 from torchforge.loop import ValueModel, micro_batches, micro_batches_by_tokens
 from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss
 from torchforge.reduce import Aggregation, masked_mean, masked_whiten
+from torchforge.returns import gae, kl_penalized_rewards, reinforce_pp_advantages
 from torchforge.trainer.config import RLConfig
 from torchforge.trainer.policy_losses import POLICY_LOSS_REGISTRY
 from torchforge.value_losses import value_loss

@@ -22,23 +22,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
-import importlib
-import inspect
-import json
 import math
 import os
-import re
 import sys
 import traceback
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
-import yaml
-
 from torchforge.errors import InvalidArgumentError, TorchforgeError
+from torchforge.trainer.environment_settings import environment_from_settings
+from torchforge.trainer.eval_command import add_eval_parser, eval_main
+from torchforge.trainer.policy_losses import POLICY_LOSS_REGISTRY
+from torchforge.trainer.run_config import (
+    RewardRaised,
+    add_import_folders,
+    did_you_mean,
+    import_object,
+    load_run_config,
+    read_dataset,
+    reward_functions_from_settings,
+)
 from torchforge.trainer.run_dir import RunInterrupted, last_checkpoint_step, prepare_output_dir
 
+# load_run_config and import_object live in run_config (shared with `torchforge eval`);
+# they stay importable from here, where the README and tests have always found them
 __all__ = ["main", "run", "load_run_config", "import_object", "check_run", "build_trainer"]
 
 _RUN_KEYS = {
@@ -51,175 +58,6 @@ _RUN_KEYS = {
 }
 
 _INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
-
-
-_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$")
-
-
-def _numbers(value: Any) -> Any:
-    """YAML 1.1 reads ``1e-3`` as a string (it wants ``1.0e-3``); read it as the float it is."""
-    if isinstance(value, str) and _FLOAT.match(value):
-        return float(value)
-    if isinstance(value, list):
-        return [_numbers(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _numbers(v) for k, v in value.items()}
-    return value
-
-
-def _parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise InvalidArgumentError(f"torchforge train: {pair!r} is not key=value; expected e.g. max_steps=100")
-        try:
-            out[key.strip()] = yaml.safe_load(value)  # "0.5" -> float, "null" -> None, "[1, 2]" -> list
-        except yaml.YAMLError as error:
-            raise InvalidArgumentError(
-                f"torchforge train: {pair!r}: the value is not valid YAML ({getattr(error, 'problem', error)})"
-            ) from None
-    return out
-
-
-def load_run_config(path: str | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """The merged settings of a run: the YAML file (if any), then ``key=value`` overrides.
-
-    Args:
-        path: a YAML file, or None.
-        overrides: ``key=value`` strings; values are parsed as YAML.
-
-    Returns:
-        dict of settings (RLConfig fields and the run keys ``model``, ``dataset``,
-        ``reward_functions``, ``distributed``).
-    """
-    values: dict[str, Any] = {}
-    if path is not None:
-        file = Path(path)
-        if not file.is_file():
-            raise InvalidArgumentError(f"--config {path}: no such file; expected a YAML file of settings")
-        try:
-            loaded = yaml.safe_load(file.read_text()) or {}
-        except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-            raise InvalidArgumentError(f"{where}: malformed YAML: {problem}") from None
-        if not isinstance(loaded, dict):
-            raise InvalidArgumentError(f"torchforge train: {path} holds a {type(loaded).__name__}; expected a mapping")
-        values.update(loaded)
-    values.update(_parse_overrides(overrides))
-    return _numbers(values)
-
-
-def _import_path(config_path: str | None) -> None:
-    """Put the working directory and the config file's folder on ``sys.path`` (for dotted names)."""
-    folders = [os.getcwd()]
-    if config_path is not None:
-        folders.append(str(Path(config_path).resolve().parent))
-    for folder in reversed(folders):
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-
-
-def import_object(path: str) -> Any:
-    """The object named by ``"package.module.name"`` or ``"package.module:name"``.
-
-    Args:
-        path: a dotted path.
-
-    Returns:
-        The object.
-    """
-    if not isinstance(path, str):
-        raise InvalidArgumentError(f"import_object: {path!r} is not a dotted path; expected 'package.module.name'")
-    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not module_name or not attr:
-        raise InvalidArgumentError(f"import_object: {path!r} is not a dotted path; expected 'package.module.name'")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise InvalidArgumentError(f"import_object: cannot import {path!r}: {error}") from error
-    except Exception as error:  # the module itself raised while importing
-        raise InvalidArgumentError(
-            f"import_object: importing {path!r} raised {type(error).__name__}: {error}"
-        ) from error
-
-
-# --- reward functions: name the sample a raising function failed on ----------------------
-
-class RewardRaised(TorchforgeError):
-    """A reward function of the run raised: names it, the sample and the exception."""
-
-
-class _LocatedReward:
-    """A reward function that, when it raises, finds the first sample it raises on alone."""
-
-    def __init__(self, fn: Any, path: str) -> None:
-        from torchforge.loop.rewards import reward_name
-
-        self.fn, self.path = fn, path
-        self.name = reward_name(fn)
-        self.weight = float(getattr(fn, "weight", 1.0))
-        self.in_process = bool(getattr(fn, "in_process", False))  # reward models stay out of worker processes
-
-    def __call__(self, *, prompts: Sequence[str], completions: Sequence[str], **columns: Any):
-        try:
-            return self.fn(prompts=prompts, completions=completions, **columns)
-        except Exception as error:
-            B = len(completions)
-            where = ""
-            for b in range(B):
-                one = {k: (v[b:b + 1] if isinstance(v, (list, tuple)) and len(v) == B else v) for k, v in columns.items()}
-                try:
-                    self.fn(prompts=list(prompts[b:b + 1]), completions=list(completions[b:b + 1]), **one)
-                except Exception:
-                    where = f" on sample {b} (prompt {prompts[b]!r}, completion {completions[b]!r})"
-                    break
-            raise RewardRaised(
-                f"reward function {self.path!r} raised {type(error).__name__}: {error}{where}"
-            ) from error
-
-
-def _reward_functions(paths: Sequence[str]) -> list[Any]:
-    from torchforge.loop.rewards import RewardFunction
-
-    out = []
-    for path in paths:
-        if isinstance(path, dict):  # {reward_model: DIR, ...} / {judge: DIR, ...}: built without loading a model
-            from torchforge.rewards.reward_model import reward_from_settings
-
-            out.append(reward_from_settings(path))
-            continue
-        obj = import_object(path)
-        if inspect.isclass(obj) and issubclass(obj, RewardFunction):
-            obj = obj()
-        if not callable(obj):
-            raise InvalidArgumentError(
-                f"reward_functions: {path!r} is a {type(obj).__name__}; expected a function or a RewardFunction"
-            )
-        out.append(_LocatedReward(obj, path))
-    return out
-
-
-def _dataset(path: str) -> Any:
-    p = Path(path).expanduser()
-    if p.is_file():
-        rows = []
-        with p.open() as f:
-            for i, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as error:
-                        raise InvalidArgumentError(f"dataset {path}:{i}: not a JSON line ({error.msg})") from None
-        return rows
-    if p.is_dir():
-        from datasets import DatasetDict, load_from_disk
-
-        data = load_from_disk(str(p))
-        return data["train"] if isinstance(data, DatasetDict) else data
-    raise InvalidArgumentError(f"dataset {path!r} does not exist; expected a JSONL file or a datasets folder")
 
 
 # --- checking every setting before anything heavy ------------------------------------------
@@ -260,11 +98,6 @@ def _check_model(name: Any) -> str:
                 "expected a Hugging Face model folder"
             )
     return name
-
-
-def _suggest(key: str, names: Sequence[str]) -> str:
-    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _type_matches(value: Any, annotation: str) -> bool:
@@ -340,13 +173,11 @@ def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
     for key in values:
         if key not in names and key not in _RUN_KEYS:
             raise InvalidArgumentError(
-                f"unknown setting {key!r}{_suggest(key, [*names, *_RUN_KEYS])} "
+                f"unknown setting {key!r}{did_you_mean(key, [*names, *_RUN_KEYS])} "
                 "(`torchforge train --help` lists them all)"
             )
     run_values = {k: values.pop(k) for k in list(_RUN_KEYS) if k in values}
     _check_types(values, RLConfig)
-    from torchforge.trainer.environment_settings import environment_from_settings
-
     environment = environment_from_settings(run_values["environment"]) if run_values.get("environment") else None
     brings_rows = getattr(environment, "train_dataset", None) is not None  # a verifiers environment's dataset
 
@@ -358,7 +189,7 @@ def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
         dist_names = [f.name for f in dataclasses.fields(DistributedConfig)]
         for key in given:
             if key not in dist_names:
-                raise InvalidArgumentError(f"unknown setting distributed.{key}{_suggest(key, dist_names)}; "
+                raise InvalidArgumentError(f"unknown setting distributed.{key}{did_you_mean(key, dist_names)}; "
                                            f"expected one of {dist_names}")
         _check_types(given, DistributedConfig, prefix="distributed.")
         dist = DistributedConfig(**given)
@@ -384,7 +215,7 @@ def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
         if not (dataset is None and brings_rows) and (not isinstance(dataset, str) or not Path(dataset).expanduser().exists()):
             raise InvalidArgumentError(f"dataset {dataset!r} does not exist; expected a JSONL file or a datasets folder")
         run = _Run(config=config, model=_check_model(run_values["model"]), dataset=dataset,
-                   reward_functions=_reward_functions(rewards), distributed=dist, environment=environment)
+                   reward_functions=reward_functions_from_settings(rewards), distributed=dist, environment=environment)
     if run.config.prompts_per_step % num_processes:
         raise InvalidArgumentError(
             f"prompts_per_step={run.config.prompts_per_step} does not split over {num_processes} processes; "
@@ -422,7 +253,7 @@ def build_trainer(values: dict[str, Any] | _Run):
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars: the command prints its own summary
     reward_functions = run.reward_functions
-    train_dataset = _dataset(run.dataset) if run.dataset is not None else None  # None: the environment's rows
+    train_dataset = read_dataset(run.dataset) if run.dataset is not None else None  # None: the environment's rows
     try:
         model = AutoModelForCausalLM.from_pretrained(run.model)
         tokenizer = AutoTokenizer.from_pretrained(run.model)
@@ -516,7 +347,7 @@ def _inside_torchrun() -> bool:
 def _train(args: argparse.Namespace) -> int:
     from torchforge.distributed import is_main_process, launch, teardown_distributed
 
-    _import_path(args.config)
+    add_import_folders(args.config)
     launch_settings = _launch_settings(args)
     values = load_run_config(args.config, args.overrides)
     inside_torchrun = _inside_torchrun()
@@ -586,6 +417,10 @@ def _settings_help() -> str:
         differs = f"   [demo: {demo[field.name]!r}]" if demo[field.name] != default else ""
         lines.append(f"  {field.name:<22} {default!r}{differs}")
     lines.append("each is described in RLConfig's docstring: python -c 'import torchforge; help(torchforge.RLConfig)'")
+    lines.append("policy_loss values (the loss each calls, the settings it reads):")
+    for entry in POLICY_LOSS_REGISTRY.values():
+        settings = ", ".join(dict.fromkeys(entry.settings.values())) or "none"
+        lines.append(f"  {entry.name:<22} {entry.summary}: {entry.call()}; settings: {settings}")
     return "\n".join(lines)
 
 
@@ -611,8 +446,6 @@ def _parser() -> argparse.ArgumentParser:
     plot = commands.add_parser("plot", help="draw a run's curves to RUN_DIR/curves.png")
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="PNG path")
-    from torchforge.trainer.eval_command import add_eval_parser
-
     add_eval_parser(commands)
     return parser
 
@@ -638,8 +471,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     if args.command == "eval":
-        from torchforge.trainer.eval_command import eval_main
-
         return eval_main(args)
     if args.command == "plot":
         from torchforge.trainer.plot import plot_run

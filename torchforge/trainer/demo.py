@@ -1,9 +1,11 @@
-"""The embedded default task: a tiny Llama, a character tokenizer and a copy task, all local.
+"""The embedded default task: a copy task for a tiny Llama with a character tokenizer, all local.
 
 ``torchforge train`` with no arguments trains on this, so that a fresh machine with no
 model hub can run the whole pipeline on a CPU: 300 steps in about a minute on an idle 2-core
 CPU (about 0.13 s a step; several times longer on a busy machine). Tests and notebooks use
-the same pieces.
+the same pieces. The model and tokenizer come from :mod:`torchforge.loop.tiny_model` and are
+re-exported here, so that ``from torchforge.trainer.demo import CopyDigitsReward,
+char_tokenizer, copy_digits_dataset, tiny_llama`` gives the whole task.
 
 The task: the prompt is three digits and ``=`` (``"407="``); the completion should repeat
 them (``"407"``) and stop. The reward gives 1/4 per digit in the right position and 1/4
@@ -17,92 +19,13 @@ from __future__ import annotations
 import random
 from typing import Any, Sequence
 
-import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
 from torchforge.loop.rewards import RewardFunction
+from torchforge.loop.tiny_model import SPECIAL_TOKENS, char_tokenizer, tiny_llama
 from torchforge.trainer.config import RLConfig
 
+# char_tokenizer and tiny_llama live in the loop (torchforge.loop.tiny_model), which may use
+# them; they are re-exported here, where the demo's users import them with the task
 __all__ = ["char_tokenizer", "tiny_llama", "copy_digits_dataset", "CopyDigitsReward", "demo_config"]
-
-SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
-CHARACTERS = "0123456789="
-
-
-def char_tokenizer(characters: str = CHARACTERS, *, pad_token: bool = True) -> PreTrainedTokenizerFast:
-    """A character-level Hugging Face tokenizer built locally (no download).
-
-    Args:
-        characters: the characters of the vocabulary, one token each, after the special
-            tokens ``<pad> <bos> <eos> <unk>``.
-        pad_token: set ``<pad>`` as the pad token; False leaves ``pad_token`` None (as
-            many base-model tokenizers do), which the loop must handle.
-
-    Returns:
-        A ``PreTrainedTokenizerFast`` that pads on the left (as prompts for ``generate``
-        need); ``decode`` concatenates characters without spaces.
-
-    Example:
-        >>> tokenizer = char_tokenizer()
-        >>> tokenizer("407=")["input_ids"]
-        [8, 4, 11, 14]
-        >>> tokenizer.decode([8, 4, 11, 2], skip_special_tokens=True)
-        '407'
-    """
-    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *characters))}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
-        pad_token="<pad>" if pad_token else None, padding_side="left",  # prompts for generate
-    )
-
-
-def tiny_llama(
-    tokenizer: Any,
-    *,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    seed: int = 0,
-) -> LlamaForCausalLM:
-    """A small randomly initialized Llama whose vocabulary matches ``tokenizer``.
-
-    Args:
-        tokenizer: the tokenizer the model will read (its ``len`` is the vocabulary size;
-            its bos / eos / pad ids go into the config).
-        hidden_size: H.
-        num_layers: number of decoder blocks.
-        num_heads: attention heads (key/value heads: half of them, as in Llama 3's GQA).
-        seed: torch seed for the initialization.
-
-    Returns:
-        A ``LlamaForCausalLM`` in float32, in training mode.
-
-    Example:
-        >>> model = tiny_llama(char_tokenizer())
-        >>> model.config.vocab_size
-        15
-    """
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=max(1, num_heads // 2),
-        max_position_embeddings=128,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    return model.train()
 
 
 def copy_digits_dataset(num_prompts: int, *, num_digits: int = 3, seed: int = 0) -> list[dict[str, str]]:

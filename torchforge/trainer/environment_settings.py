@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from torchforge.errors import InvalidArgumentError
+from torchforge.trainer.run_config import did_you_mean, import_object
 
 __all__ = ["environment_from_settings"]
 
@@ -33,12 +34,10 @@ _VERIFIERS = {"env_args": "dict", "chat": "bool", "parse_action": "path", "rewar
 
 
 def _checked(kind: str, given: dict[str, Any], allowed: dict[str, str]) -> dict[str, Any]:
-    from torchforge.trainer.cli import _suggest, import_object
-
     out = {}
     for key, value in given.items():
         if key not in allowed:
-            raise InvalidArgumentError(f"unknown setting environment.{key}{_suggest(key, list(allowed))}; "
+            raise InvalidArgumentError(f"unknown setting environment.{key}{did_you_mean(key, list(allowed))}; "
                                        f"expected one of {[kind, *allowed]}")
         expected = allowed[key]
         ok = {"str": isinstance(value, str), "path": isinstance(value, str), "dict": isinstance(value, dict),
@@ -66,8 +65,6 @@ def environment_from_settings(value: Any) -> Any:
         >>> environment_from_settings("torchforge.trainer.demo_episodes.AskThenCopy").__name__
         'AskThenCopy'
     """
-    from torchforge.trainer.cli import import_object
-
     if isinstance(value, str):
         return import_object(value)
     kinds = [k for k in ("openenv", "verifiers") if isinstance(value, dict) and k in value]

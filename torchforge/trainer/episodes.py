@@ -1,9 +1,10 @@
 """``RLTrainer(environment_factory=...)``: a step's batch from multi-turn episodes.
 
-The trainer calls these in place of its single-turn rollout and scoring when it has an
-environment factory: :func:`rollout_step` plays G episodes of each of this process's rows
-(:func:`torchforge.loop.environments.rollout_episodes`), :func:`score_step` sets the
-rewards, and :func:`step_metrics` adds the episode metrics (summed over processes).
+:class:`EpisodeRollout` is the trainer's rollout strategy
+(:mod:`torchforge.trainer.rollouts`) when it has an environment factory: it plays G
+episodes of each of this process's rows with fresh environments
+(:func:`torchforge.loop.environments.rollout_episodes`), sets the rewards, and returns the
+episodes' record with the batch; its metrics are summed over processes with the step's.
 
 Rewards: ``rewards_b = w_env * (sum_k r_bk + s_b) + sum_f w_f * r_fb``: the environment's
 turn rewards summed over the episode, plus ``s_b`` when the environment factory scores
@@ -19,99 +20,92 @@ observation tokens (the mask's gaps).
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from torchforge.batch import Batch
-from torchforge.distributed import reduce_metric_sums
 from torchforge.errors import InvalidArgumentError
-from torchforge.loop.environments import episode_metrics, rollout_episodes
+from torchforge.loop.engines import GenerationEngine
+from torchforge.loop.environments import Episodes, episode_metrics, rollout_episodes
 from torchforge.loop.rewards import score_rewards
+from torchforge.trainer.rollouts import RolloutStrategy, ScoredBatch
 
-__all__ = ["rollout_step", "score_step", "step_metrics"]
+__all__ = ["EpisodeRollout"]
 
 NO_LIMIT = 2**31 - 1
 
 
-def rollout_step(trainer: Any, rows: list[dict[str, Any]], ids: list[int]) -> tuple[Batch, list[str]]:
-    """Play ``num_generations`` episodes of each row with fresh environments.
+@dataclass
+class EpisodeRollout(RolloutStrategy):
+    """G multi-turn episodes of each row, scored by the environment and the reward functions.
 
     Args:
-        trainer: the RLTrainer (its config, model, tokenizer, stop ids, environment factory).
-        rows: this process's N dataset rows of the step.
-        ids: their N global ids (seeds the samples).
+        environment_factory: makes one environment per episode (``reset(row)``,
+            ``step(action)``); its ``reward_weight`` (default 1.0) weighs the environment's
+            rewards, and a ``score_episodes`` method, when it has one, scores whole episodes.
+        The other arguments as :class:`~torchforge.trainer.rollouts.RolloutStrategy`'s.
 
     Returns:
-        ``(batch, prompts)``: the episodes' Batch (``rewards`` still per token) and the N
-        prompts as text; the :class:`~torchforge.loop.environments.Episodes` record is kept
-        as ``trainer.episodes`` for :func:`score_step` and :func:`step_metrics`.
+        The strategy: ``strategy(rows, ids, engine) -> ScoredBatch`` whose ``episodes`` is the
+        :class:`~torchforge.loop.environments.Episodes` record.
     """
-    cfg, G = trainer.config, trainer.config.num_generations
-    envs = [trainer.environment_factory() for _ in range(len(rows) * G)]
-    with trainer._autocast_context():
-        batch, trainer.episodes = rollout_episodes(
-            trainer.model, trainer.tokenizer, envs, rows=rows, num_generations=G, max_turns=cfg.max_turns,
-            max_new_tokens_per_turn=cfg.max_completion_length, max_total_tokens=cfg.max_total_tokens or NO_LIMIT,
-            step_timeout=cfg.step_timeout, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            stop_token_ids=trainer.stop_ids, seed=cfg.seed, episode_ids=ids, engine=trainer.engine,
-        )
-    trainer.environment_weight = float(getattr(envs[0], "reward_weight", 1.0))
-    trainer.episode_envs = envs  # for an environment factory that scores the episodes itself (score_step)
-    prompts = [row.get("prompt") for row in rows]
-    firsts = [p[batch.prompt_mask[i * G]].tolist() for i, p in enumerate(batch.prompt_tokens[::G])]
-    text = trainer.tokenizer.batch_decode(firsts, skip_special_tokens=True)
-    return batch, [p if isinstance(p, str) else t for p, t in zip(prompts, text)]
 
+    environment_factory: Callable[[], Any]
 
-def score_step(trainer: Any, batch: Batch, prompts: list[str], rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Set ``batch.rewards`` [B] (environment and reward functions, weighted); return the parts.
+    def __call__(self, rows: list[dict[str, Any]], ids: list[int], engine: GenerationEngine) -> ScoredBatch:
+        cfg, G = self.config, self.config.num_generations
+        envs = [self.environment_factory() for _ in range(len(rows) * G)]
+        with self.autocast():
+            batch, record = rollout_episodes(
+                self.model, self.tokenizer, envs, rows=rows, num_generations=G, max_turns=cfg.max_turns,
+                max_new_tokens_per_turn=cfg.max_completion_length, max_total_tokens=cfg.max_total_tokens or NO_LIMIT,
+                step_timeout=cfg.step_timeout, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                stop_token_ids=self.stop_ids, seed=cfg.seed, episode_ids=ids, engine=engine,
+            )
+        per_function = self._score(batch, self._prompts(batch, rows), rows, record, envs)
+        return ScoredBatch(batch, per_function, rows, episodes=record)
 
-    Args:
-        trainer: the RLTrainer, after :func:`rollout_step`.
-        batch: the episodes' Batch.
-        prompts: the N prompts.
-        rows: the N rows (their fields reach the reward functions).
+    def metric_sums(self, scored: ScoredBatch) -> dict[str, torch.Tensor]:
+        return {f"episodes/{k}": v for k, v in scored.episodes.metric_sums(scored.batch.truncated.cpu()).items()}
 
-    Returns:
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """``episodes/turns_mean``, ``episodes/env_seconds_per_step``, ``episodes/truncated_frac``,
+        ``episodes/faulted_frac``, ``episodes/reward_per_turn`` (:func:`~torchforge.loop.environments.episode_metrics`)."""
+        return episode_metrics({k.removeprefix("episodes/"): v for k, v in sums.items() if k.startswith("episodes/")})
+
+    def _prompts(self, batch: Batch, rows: list[dict[str, Any]]) -> list[str]:
+        """The N prompts as text: a row's string prompt, else its first observation as tokenized."""
+        G = self.config.num_generations
+        firsts = [p[batch.prompt_mask[i * G]].tolist() for i, p in enumerate(batch.prompt_tokens[::G])]
+        text = self.tokenizer.batch_decode(firsts, skip_special_tokens=True)
+        return [p if isinstance(p, str) else t for p, t in zip((row.get("prompt") for row in rows), text)]
+
+    def _score(self, batch: Batch, prompts: list[str], rows: list[dict[str, Any]], record: Episodes,
+               envs: list[Any]) -> dict[str, torch.Tensor]:
+        """Set ``batch.rewards`` [B] (environment and reward functions, weighted); return the parts:
         name -> float64 [B] unweighted scores: ``environment`` (its turn rewards and its own
-        score), ``environment/<name>`` for each part of that score, and each reward function's.
-    """
-    G, record = trainer.config.num_generations, trainer.episodes
-    env_returns, env_parts = record.returns, {}
-    scorer = getattr(trainer.environment_factory, "score_episodes", None)
-    if callable(scorer):  # e.g. a verifiers rubric: the whole episodes, each row's G together
-        scores, env_parts = scorer(trainer.episode_envs, num_generations=G, faulted=record.faulted.tolist())
-        env_returns = env_returns + scores.to(env_returns)
-    total = trainer.environment_weight * env_returns
-    per_function = {"environment": env_returns, **{f"environment/{k}": v for k, v in env_parts.items()}}
-    if trainer.reward_functions:
-        ids = [row[:n] for row, n in zip(batch.tokens.tolist(), record.lengths.tolist())]
-        transcripts = trainer.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        columns = {key: [row[key] for row in rows for _ in range(G)] for key in rows[0] if key != "prompt"}
-        scores, parts = score_rewards(
-            trainer.reward_functions, prompts=[p for p in prompts for _ in range(G)], completions=transcripts,
-            completion_ids=ids, columns=columns, weights=trainer.config.reward_weights,
-        )
-        total = total + scores.nan_to_num(0.0)
-        if "environment" in parts:
-            raise InvalidArgumentError("RLTrainer: a reward function is named 'environment'; expected another name "
-                                       "(the environment's rewards are logged under it)")
-        per_function.update(parts)
-    batch.rewards = total.to(batch.tokens.device)
-    return per_function
-
-
-def step_metrics(record: Any, batch: Batch) -> dict[str, float]:
-    """The episode metrics of the step, over every process (every process calls this).
-
-    Args:
-        record: the episodes of the step's batch (what :func:`rollout_step` left as
-            ``trainer.episodes`` when it sampled that batch).
-        batch: the step's batch.
-
-    Returns:
-        ``episodes/turns_mean``, ``episodes/env_seconds_per_step``, ``episodes/truncated_frac``,
-        ``episodes/faulted_frac``, ``episodes/reward_per_turn``.
-    """
-    return episode_metrics(reduce_metric_sums(record.metric_sums(batch.truncated.cpu())))
+        score), ``environment/<name>`` for each part of that score, and each reward function's."""
+        G = self.config.num_generations
+        env_returns, env_parts = record.returns, {}
+        scorer = getattr(self.environment_factory, "score_episodes", None)
+        if callable(scorer):  # e.g. a verifiers rubric: the whole episodes, each row's G together
+            scores, env_parts = scorer(envs, num_generations=G, faulted=record.faulted.tolist())
+            env_returns = env_returns + scores.to(env_returns)
+        total = float(getattr(envs[0], "reward_weight", 1.0)) * env_returns
+        per_function = {"environment": env_returns, **{f"environment/{k}": v for k, v in env_parts.items()}}
+        if self.reward_functions:
+            ids = [row[:n] for row, n in zip(batch.tokens.tolist(), record.lengths.tolist())]
+            transcripts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            scores, parts = score_rewards(
+                self.reward_functions, prompts=[p for p in prompts for _ in range(G)], completions=transcripts,
+                completion_ids=ids, columns=self._columns(rows), weights=self.config.reward_weights,
+            )
+            total = total + scores.nan_to_num(0.0)
+            if "environment" in parts:
+                raise InvalidArgumentError("RLTrainer: a reward function is named 'environment'; expected another name "
+                                           "(the environment's rewards are logged under it)")
+            per_function.update(parts)
+        batch.rewards = total.to(batch.tokens.device)
+        return per_function

@@ -1,11 +1,13 @@
-"""Evaluation of a dataset by a run's settings: the trainer's ``eval_dataset`` and ``torchforge eval``.
+"""``torchforge eval``: a saved model scored on a dataset with a run's settings.
 
 ``torchforge eval --model DIR --dataset FILE [--config run.yaml] [--reward-function PATH ...] [key=value ...]``
 loads a saved model (a full Hugging Face folder, or a LoRA adapter folder: ``adapter_config.json``),
 samples ``num_eval_generations`` completions and a greedy one for every row of the dataset, scores
 them with the reward functions and prints the metrics of :func:`torchforge.loop.evaluate` as
-one JSON line. The settings are those of ``torchforge train`` (a run's YAML works as is); the
-ones used are ``num_eval_generations``, ``eval_correct_threshold``, ``max_completion_length``,
+one JSON line: :func:`torchforge.trainer.evaluation.evaluate_dataset`, which also scores
+``RLTrainer``'s ``eval_dataset``. The settings are those of ``torchforge train``, read by
+:mod:`torchforge.trainer.run_config` (a run's YAML works as is); the ones used are
+``num_eval_generations``, ``eval_correct_threshold``, ``max_completion_length``,
 ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``, ``reward_weights`` and ``seed``.
 """
 
@@ -15,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,57 +24,16 @@ import torch
 
 from torchforge.errors import InvalidArgumentError
 from torchforge.loop.engines import ENGINES, make_engine
-from torchforge.loop.evaluate import evaluate
 from torchforge.loop.rewards import close_rewards, guard_rewards
-from torchforge.loop.rollout import completion_stop_ids
+from torchforge.trainer.evaluation import evaluate_dataset
+from torchforge.trainer.run_config import (
+    add_import_folders,
+    load_run_config,
+    read_dataset,
+    reward_functions_from_settings,
+)
 
-__all__ = ["add_eval_parser", "eval_main", "evaluate_dataset"]
-
-
-def render_prompt(tokenizer: Any, prompt: Any) -> str:
-    """A row's prompt as text: a string as is, chat messages through the tokenizer's chat template."""
-    if isinstance(prompt, str):
-        return prompt
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise InvalidArgumentError("evaluate: a prompt is a list of chat messages but the tokenizer has no "
-                                   "chat_template; expected a string prompt, or a tokenizer with a chat template")
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-
-
-def evaluate_dataset(model: Any, tokenizer: Any, dataset: Any, reward_functions: Sequence[Callable], config: Any, *,
-                     render: Callable[[Any], str] | None = None, stop_token_ids: Sequence[int] | None = None,
-                     engine: Any = None) -> dict[str, float]:
-    """:func:`torchforge.loop.evaluate` over a dataset's rows with an ``RLConfig``'s settings.
-
-    Args:
-        model: the policy (plain, DDP or FSDP2; every process calls this).
-        tokenizer: its tokenizer.
-        dataset: rows with a ``"prompt"``; the other fields reach the reward functions.
-        reward_functions: RewardFunction objects and / or TRL-style callables.
-        config: an ``RLConfig`` (``num_eval_generations``, ``eval_correct_threshold``,
-            ``max_completion_length``, sampling settings, ``reward_weights``, ``seed``).
-        render: prompt -> text (default: :func:`render_prompt` with ``tokenizer``).
-        stop_token_ids: ids that end a completion (default the config's and eos).
-        engine: the generation engine (default Hugging Face ``generate`` on ``model``).
-
-    Returns:
-        The ``eval/...`` metrics, the same on every process.
-    """
-    rows = [dict(dataset[i]) for i in range(len(dataset))]
-    if not rows or "prompt" not in rows[0]:
-        raise InvalidArgumentError(f"evaluate: the eval dataset has {len(rows)} rows"
-                                   f"{' with fields ' + str(sorted(rows[0])) if rows else ''}; expected rows with a "
-                                   "'prompt' field")
-    render = render or (lambda prompt: render_prompt(tokenizer, prompt))
-    columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"}
-    return evaluate(
-        model, tokenizer, [render(row["prompt"]) for row in rows], reward_functions,
-        num_generations=config.num_eval_generations, max_new_tokens=config.max_completion_length,
-        columns=columns, weights=config.reward_weights, correct_threshold=config.eval_correct_threshold,
-        temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-        stop_token_ids=stop_token_ids or completion_stop_ids(tokenizer, model, config.stop_token_ids), seed=config.seed,
-        engine=engine,
-    )
+__all__ = ["add_eval_parser", "eval_main"]
 
 
 def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
@@ -127,9 +87,9 @@ def eval_main(args: argparse.Namespace) -> int:
         is_main_process,
         teardown_distributed,
     )
-    from torchforge.trainer.cli import _dataset, _reward_functions, load_run_config
     from torchforge.trainer.config import RLConfig
 
+    add_import_folders(args.config)  # --reward-function / the config's paths, as torchforge train finds them
     try:
         values = load_run_config(args.config, args.overrides)
         paths = args.reward_functions or values.get("reward_functions")
@@ -142,9 +102,9 @@ def eval_main(args: argparse.Namespace) -> int:
             values["engine"] = args.engine
         config = RLConfig.from_dict({k: v for k, v in values.items() if k in names})
         # the run's reward_timeout / reward_processes: a grader that hangs costs a sample, not the eval
-        reward_functions = guard_rewards(_reward_functions(paths), timeout=config.reward_timeout,
+        reward_functions = guard_rewards(reward_functions_from_settings(paths), timeout=config.reward_timeout,
                                          processes=config.reward_processes, failure_reward=config.reward_on_failure)
-        dataset = _dataset(args.dataset)
+        dataset = read_dataset(args.dataset)
         model, tokenizer = _load(args.model)
     except InvalidArgumentError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -92,6 +92,18 @@ class PolicyLoss:
         extra = {"weights": weights} if self.takes_weights else {}
         return self.loss(*args, **extra, **self.kwargs(config), aggregation=aggregation)
 
+    def call(self) -> str:
+        """The loss call this name makes, with its fixed arguments (``ppo_loss(ratio_level="sequence")``).
+
+        Args:
+            None.
+
+        Returns:
+            str.
+        """
+        fixed = ", ".join(f"{k}={v!r}".replace("'", '"') for k, v in self.fixed.items())
+        return f"{self.loss.__name__}({fixed})"
+
     def check(self, config: Any) -> None:
         """Raise unless the loss accepts ``config``'s settings: the loss is asked, on an empty
         batch (no token, no random draw), so its own bounds are the only ones.
@@ -156,8 +168,7 @@ def policy_loss_table() -> str:
     lines = ["| `policy_loss` | calls | `RLConfig` settings | per-token weights | what it is |",
              "| --- | --- | --- | --- | --- |"]
     for entry in POLICY_LOSS_REGISTRY.values():
-        fixed = ", ".join(f'{k}="{v}"' if isinstance(v, str) else f"{k}={v}" for k, v in entry.fixed.items())
         settings = ", ".join(f"`{name}`" for name in dict.fromkeys(entry.settings.values())) or "—"
-        lines.append(f"| `{entry.name}` | `{entry.loss.__name__}({fixed})` | {settings} | "
+        lines.append(f"| `{entry.name}` | `{entry.call()}` | {settings} | "
                      f"{'yes' if entry.takes_weights else 'no'} | {entry.summary} |")
     return "\n".join(lines)

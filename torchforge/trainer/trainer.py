@@ -29,6 +29,7 @@ import os
 import threading
 import time
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -36,8 +37,8 @@ import torch
 import yaml
 from torch import nn
 
+from torchforge.advantages import zero_std_groups
 from torchforge.batch import Batch
-from torchforge.corrections import entropy_threshold, zero_std_groups
 from torchforge.distributed import (
     DistributedConfig,
     barrier,
@@ -49,37 +50,36 @@ from torchforge.distributed import (
     latest_checkpoint,
     load_checkpoint,
     rank,
-    reduce_metric_extrema,
-    reduce_metric_sums,
     save_checkpoint,
     shard,
     sum_over_ranks,
     sync_weights,
     world_size,
 )
+from torchforge.entropy_selection import entropy_threshold
 from torchforge.errors import InvalidArgumentError, TorchforgeError
 from torchforge.kl import adaptive_kl_coef
 from torchforge.loop import (
     accumulate_gradients,
     completion_stop_ids,
-    decode_completions,
     ValueModel,
     check_packable,
     micro_batches,
     micro_batches_by_tokens,
     optimizer_step,
     policy_log_probs,
-    rollout,
     rollout_log_prob_gap,
 )
-from torchforge.loop.rewards import GuardedReward, close_rewards, guard_rewards, reward_keys, score_rewards
+from torchforge.loop.rewards import GuardedReward, close_rewards, guard_rewards, reward_keys
 from torchforge.loop.engines import HFEngine, make_engine
-from torchforge.loop.update import metric_reduction
+from torchforge.loop.metrics import StepMetrics
 from torchforge.reduce import Aggregation, masked_mean, masked_var
-from torchforge.trainer import episodes
+from torchforge.trainer.episodes import EpisodeRollout
+from torchforge.trainer.evaluation import evaluate_dataset
 from torchforge.trainer.algorithms import Algorithm, StepContext, algorithm_from_name
 from torchforge.trainer.async_generation import AsyncGenerator
 from torchforge.trainer.config import RLConfig
+from torchforge.trainer.rollouts import RolloutStrategy, ScoredBatch, SingleTurnRollout, render_prompt
 from torchforge.trainer.lora import (
     adapters_disabled,
     apply_lora,
@@ -245,12 +245,12 @@ class RLTrainer:
         self.kl_coef = self.algorithm.kl_coef  # the KL coefficient of the next step (adaptive with kl_target)
         self._build_optimizer()
         self._build_engine()
+        self.rollout_strategy = self._build_rollout_strategy()
         self.step = 0
         self.history: list[dict[str, float]] = []
         self._order_cache: tuple[int, torch.Tensor] | None = None
         self._generator: AsyncGenerator | None = None
         self._sampling_lock = threading.Lock()  # async: the generator's sampling, or an evaluation
-        self._trained_episodes = None  # the episodes of the batch being trained (multi-turn)
 
     def _check_new_run(self) -> None:
         """One run per folder (:mod:`torchforge.trainer.run_dir`): unless resuming, never write
@@ -400,6 +400,14 @@ class RLTrainer:
         self.engine = make_engine(cfg.engine, self.model, self.tokenizer, engine_args=cfg.engine_args,
                                   weights=weights, pad_token_id=pad)
 
+    def _build_rollout_strategy(self) -> RolloutStrategy:
+        """Single-turn completions, or multi-turn episodes with an environment factory."""
+        parts = dict(config=self.config, model=self.model, tokenizer=self.tokenizer, stop_ids=self.stop_ids,
+                     reward_functions=self.reward_functions, autocast=self._autocast_context, device=self.device)
+        if self.environment_factory is not None:
+            return EpisodeRollout(**parts, environment_factory=self.environment_factory)
+        return SingleTurnRollout(**parts)
+
     def close_engine(self) -> None:
         """Stop the generation engine (a vLLM engine, or a vLLM server this trainer started),
         before the process group goes: vLLM in process tears down its own groups. The
@@ -458,16 +466,6 @@ class RLTrainer:
             self._order_cache = (epoch, torch.randperm(len(self.train_dataset), generator=generator))
         return self._order_cache[1]
 
-    def _render(self, prompt: Any) -> str:
-        if isinstance(prompt, str):
-            return prompt
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise InvalidArgumentError(
-                "RLTrainer: a prompt is a list of chat messages but the tokenizer has no chat_template; "
-                "expected a string prompt, or a tokenizer with a chat template"
-            )
-        return self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-
     # --- one step -----------------------------------------------------------------------------
 
     def _autocast_context(self):
@@ -500,14 +498,15 @@ class RLTrainer:
         start = time.perf_counter()
         sampling: dict[str, float] = {}
         if self.config.async_generation:  # sampled ahead by the generator thread
-            sampled, sampling = self._started_generator(step).take(step)
-            batch, prompts, rows, per_function, self._trained_episodes, failures = sampled.payload
+            ahead, sampling = self._started_generator(step).take(step)
+            scored = ahead.payload
         else:
             self._pop_reward_failures()  # count this step's failures only (not an evaluation's before it)
-            batch, prompts, rows, per_function, self._trained_episodes = self._sample_step(step)
+            scored = self.sample_step(step)
             if self.config.dynamic_sampling:
-                batch, per_function, sampling = self._dynamic_sampling(step, batch, per_function)
-            failures = self._pop_reward_failures()
+                scored, sampling = self._dynamic_sampling(step, scored)
+            scored.reward_failures = self._pop_reward_failures()
+        batch, per_function = scored.batch, scored.per_function
         counted = self._counted_completions(self._update_rewards(batch, per_function))
         self._reference_log_probs(counted)
         context = StepContext(step=step, kl_coef=self.kl_coef, reward_weights=self._reward_weights(),
@@ -515,8 +514,7 @@ class RLTrainer:
         with self.algorithm.using(context):
             self.algorithm.prepare(counted)
             loss, loss_metrics, grad_norm = self._update(counted)
-        metrics = self._metrics(batch, counted, per_function, loss, loss_metrics, grad_norm,
-                                time.perf_counter() - start)
+        metrics = self._metrics(scored, counted, loss, loss_metrics, grad_norm, time.perf_counter() - start)
         self.scheduler.step()  # the schedule counts steps, whatever num_iterations makes of each
         self._after_update(step, metrics)
         # how many steps behind the trained weights the samples were; then the engine catches up
@@ -530,8 +528,7 @@ class RLTrainer:
         elif self._engine_is_policy() or (every and (step + 1) % every == 0):
             metrics["engine/sync_seconds"] = self._sync_engine(step + 1)
         metrics["engine/weights_version"] = float(self.engine.weights_version)
-        failures = {k: float(v) for k, v in reduce_metric_sums(failures).items()}
-        return {**metrics, **sampling, **failures}
+        return {**metrics, **sampling}
 
     def _pop_reward_failures(self) -> dict[str, torch.Tensor]:
         """``rewards/<name>/timeouts`` and ``/crashes``: this process's completions of guarded
@@ -542,17 +539,11 @@ class RLTrainer:
 
     # --- asynchronous generation --------------------------------------------------------------
 
-    def _sample_step(self, step: int) -> tuple:
-        """Sample and score ``step``: the batch, its prompts and rows, each function's rewards and
-        the episodes that made it (multi-turn; else None)."""
-        batch, prompts, rows = self._rollout(step)
-        per_function = self._score(batch, prompts, rows)
-        record = getattr(self, "episodes", None) if self.environment_factory is not None else None
-        return batch, prompts, rows, per_function, record
-
-    def _sample_step_ahead(self, step: int) -> tuple:
-        """The generator thread's work: :meth:`_sample_step` and its reward failures."""
-        return *self._sample_step(step), self._pop_reward_failures()
+    def _sample_step_ahead(self, step: int) -> ScoredBatch:
+        """The generator thread's work: :meth:`sample_step`, with its reward failures."""
+        scored = self.sample_step(step)
+        scored.reward_failures = self._pop_reward_failures()
+        return scored
 
     def _started_generator(self, step: int) -> AsyncGenerator:
         """The generator thread, started at ``step`` when it is not running yet."""
@@ -579,41 +570,41 @@ class RLTrainer:
             self._generator.close(timeout)
             self._generator = None
 
-    def _dynamic_sampling(self, step: int, batch: Batch, per_function: dict[str, torch.Tensor]
-                          ) -> tuple[Batch, dict[str, torch.Tensor], dict[str, float]]:
+    def _dynamic_sampling(self, step: int, scored: ScoredBatch) -> tuple[ScoredBatch, dict[str, float]]:
         """DAPO: drop the all-equal groups, draw more rounds (the same number on every process)
         until each process has its share of informative groups; fill with dropped ones if short."""
         cfg, G = self.config, self.config.num_generations
         share = cfg.prompts_per_step // world_size()
-        rounds = [(batch, per_function)]
+        rounds = [scored]
 
         def informative(b: Batch) -> torch.Tensor:  # [groups] bool
             return ~zero_std_groups(b.rewards.cpu(), group_size=G).view(-1, G)[:, 0]
 
-        kept = int(informative(batch).sum())
+        kept = int(informative(scored.batch).sum())
         while len(rounds) < cfg.max_sampling_rounds:
             short = sum_over_ranks(torch.tensor([float(max(share - kept, 0))], device=self.device))
             if float(short) == 0:  # every process full: the same answer everywhere
                 break
-            more, prompts, rows = self._rollout(step, len(rounds))
-            rounds.append((more, self._score(more, prompts, rows)))
-            kept += int(informative(more).sum())
-        picks = [(i, g) for i, (b, _) in enumerate(rounds) for g in informative(b).nonzero().flatten().tolist()]
-        filler = [(i, g) for i, (b, _) in enumerate(rounds) for g in (~informative(b)).nonzero().flatten().tolist()]
+            rounds.append(self.sample_step(step, len(rounds)))
+            kept += int(informative(rounds[-1].batch).sum())
+        picks = [(i, g) for i, r in enumerate(rounds) for g in informative(r.batch).nonzero().flatten().tolist()]
+        filler = [(i, g) for i, r in enumerate(rounds) for g in (~informative(r.batch)).nonzero().flatten().tolist()]
         chosen = (picks + filler)[:share]
-        parts, scores = [], []
-        for i, (b, f) in enumerate(rounds):
-            rows = torch.tensor([g * G + j for r, g in chosen if r == i for j in range(G)], dtype=torch.long)
-            if len(rows):
-                parts.append(b[rows.to(b.rewards.device)])
-                scores.append({k: v[rows] for k, v in f.items()})
+        parts, scores, rows = [], [], []
+        for i, r in enumerate(rounds):
+            groups = [g for k, g in chosen if k == i]
+            samples = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long)
+            if len(samples):
+                parts.append(r.batch[samples.to(r.batch.rewards.device)])
+                scores.append({k: v[samples] for k, v in r.per_function.items()})
+                rows += [r.rows[g] for g in groups]
         filled = sum_over_ranks(torch.tensor([float(max(share - len(picks), 0)), float(len(rounds))],
                                              device=self.device))
         metrics = {"dynamic_sampling/rounds": float(len(rounds)),
                    "dynamic_sampling/prompts_drawn": float(len(rounds) * cfg.prompts_per_step),
                    "dynamic_sampling/filled_groups": float(filled[0])}
-        return (_cat_padded(parts, self.tokenizer.pad_token_id or 0),
-                {k: torch.cat([f[k] for f in scores]) for k in per_function}, metrics)
+        return ScoredBatch(_cat_padded(parts, self.tokenizer.pad_token_id or 0),
+                           {k: torch.cat([f[k] for f in scores]) for k in scored.per_function}, rows), metrics
 
     def _update_rewards(self, batch: Batch, per_function: dict[str, torch.Tensor]) -> Batch:
         """The rewards the update sees: [B, K] per function with ``reward_aggregation="normalize_then_sum"``
@@ -661,38 +652,24 @@ class RLTrainer:
             step: the 0-based step (selects the prompts and the samples).
 
         Returns:
-            ``(batch, per_function_rewards)``.
+            ``(batch, per_function_rewards)``: :meth:`sample_step`'s batch and scores.
         """
-        batch, prompts, rows = self._rollout(step)
-        return batch, self._score(batch, prompts, rows)
+        scored = self.sample_step(step)
+        return scored.batch, scored.per_function
 
-    def _rollout(self, step: int, sampling_round: int = 0) -> tuple[Batch, list[str], list[dict[str, Any]]]:
-        """G completions of each of this process's prompts of ``step`` (with ``rollout_log_probs``)."""
-        cfg = self.config
-        rows, ids = self._rows(step, sampling_round)
-        if self.environment_factory is not None:  # multi-turn episodes
-            return (*episodes.rollout_step(self, rows, ids), rows)
-        prompts = [self._render(row["prompt"]) for row in rows]
-        with self._autocast_context():
-            batch = rollout(self.model, self.tokenizer, prompts, num_generations=cfg.num_generations,
-                            max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                            top_p=cfg.top_p, top_k=cfg.top_k, stop_token_ids=self.stop_ids,
-                            seed=cfg.seed, prompt_ids=ids, engine=self.engine)
-        return batch, prompts, rows
+    def sample_step(self, step: int, sampling_round: int = 0) -> ScoredBatch:
+        """This process's batch of ``step`` from the rollout strategy (``rollout_strategy``):
+        G completions (or episodes) of each prompt, scored, with ``rollout_log_probs``.
 
-    def _score(self, batch: Batch, prompts: list[str], rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """Set ``batch.rewards`` (the weighted sum of the reward functions); return each function's scores."""
-        if self.environment_factory is not None:
-            return episodes.score_step(self, batch, prompts, rows)
-        G = self.config.num_generations
-        completions, completion_ids = decode_completions(self.tokenizer, batch)
-        columns = {key: [row[key] for row in rows for _ in range(G)] for key in rows[0] if key != "prompt"}
-        rewards, per_function = score_rewards(
-            self.reward_functions, prompts=[p for p in prompts for _ in range(G)], completions=completions,
-            completion_ids=completion_ids, columns=columns, weights=self.config.reward_weights,
-        )
-        batch.rewards = rewards.to(self.device)
-        return per_function
+        Args:
+            step: the 0-based step (selects the prompts and the samples).
+            sampling_round: round r > 0 of dynamic sampling reads past the run's own prompts.
+
+        Returns:
+            A :class:`~torchforge.trainer.rollouts.ScoredBatch` (its ``episodes``: the
+            multi-turn record, with an environment factory).
+        """
+        return self.rollout_strategy(*self._rows(step, sampling_round), self.engine)
 
     def _counted_completions(self, batch: Batch) -> Batch:
         """The batch the update sees: with ``mask_truncated_completions``, a truncated
@@ -726,14 +703,16 @@ class RLTrainer:
         return entropy_threshold(gather_over_ranks(entropy[batch.mask].float()),
                                  quantile=self.config.top_entropy_quantile)
 
-    def _update(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
-        """``num_iterations`` optimizer steps over every micro-batch; the last one's loss, metrics and grad norm."""
+    def _update(self, batch: Batch) -> tuple[torch.Tensor, StepMetrics, float]:
+        """``num_iterations`` optimizer steps over every micro-batch; the last one's loss share,
+        metrics (on the device, with their reductions) and grad norm."""
         cfg = self.config
         parts = self._micro_batches(batch)
         self.model.train()
         for _ in range(cfg.num_iterations):
-            loss, loss_metrics = accumulate_gradients(parts, self._loss, mode=cfg.loss_aggregation,
-                                                      norm_length=cfg.max_completion_length)
+            loss_metrics = StepMetrics()
+            loss, _ = accumulate_gradients(parts, self._loss, mode=cfg.loss_aggregation,
+                                           norm_length=cfg.max_completion_length, metrics=loss_metrics)
             grad_norm = optimizer_step(self.trainable_parameters, self.optimizer, max_grad_norm=cfg.max_grad_norm)
         return loss, loss_metrics, grad_norm
 
@@ -787,42 +766,39 @@ class RLTrainer:
             raise TorchforgeError(f"{what} ({type(loss).__name__}{shape}, {type(metrics).__name__}); {expected}")
         return loss, metrics
 
-    def _metrics(self, batch, counted, per_function, loss, loss_metrics, grad_norm, seconds) -> dict[str, float]:
-        """Combine over processes as sums and counts, never as means of means. The rewards and
-        lengths are the sampled ``batch``'s; the loss metrics and the groups without signal are
-        the ``counted`` batch's, which the update saw (``mask_truncated_completions``)."""
+    def _metrics(self, scored: ScoredBatch, counted: Batch, loss: torch.Tensor, loss_metrics: StepMetrics,
+                 grad_norm: float, seconds: float) -> dict[str, float]:
+        """The step's metrics over every process: the loss metrics (as their reductions say),
+        the step's own and the rollout strategy's counts go to the CPU together, in two
+        collectives (sums and means, extremes); never means of means. The rewards and lengths
+        are the sampled batch's; the loss metrics and the groups without signal are the
+        ``counted`` batch's, which the update saw (``mask_truncated_completions``)."""
+        batch, per_function = scored.batch, scored.per_function
         G = self.config.num_generations
-        rewards = batch.rewards.cpu()
-        lengths = batch.mask.sum(-1).float().cpu()
-        tokens = lengths.sum()
-        truncated = batch.truncated.cpu()
-        scored = self._counted_completions(batch).rewards.cpu()  # a truncated one that counts for nothing: NaN
-        sums: dict[str, torch.Tensor] = {"_sequences": torch.tensor(float(len(rewards))), "_tokens": tokens,
-                                         "_counted_tokens": counted.mask.sum().float().cpu(),
-                                         "_loss": loss, "completions/_length_sum": tokens,
-                                         "completions/_truncated": truncated.float().sum(),
-                                         "_zero_std": zero_std_groups(scored, group_size=G).float().sum()}
-        series = {"": rewards, **{f"rewards/{k}/": v for k, v in per_function.items()}}
+        lengths = batch.mask.sum(-1).float()
+        sequences = float(len(lengths))
+        scored_rewards = self._counted_completions(batch).rewards  # a truncated one that counts for nothing: NaN
+        logged = [k for k in loss_metrics if not (k == "kl" and self.ref_model is None)]  # no reference: no KL
+        step = loss_metrics  # the loss metrics, then the step's own, reduced together
+        step.add("loss", loss / world_size(), reduction="sum")  # each process's share
+        per_sequence = {"completions/mean_length": lengths, "completions/clipped_ratio": batch.truncated.float(),
+                        "frac_reward_zero_std": zero_std_groups(scored_rewards, group_size=G).float()}
+        for name, values in per_sequence.items():  # every process adds the same names: no sequences, weight 0
+            step.add(name, values.sum() / max(sequences, 1.0), reduction="mean", weight=sequences)
+        step.add("completions/max_length", lengths.max() if sequences else 0.0, reduction="max", weight=sequences)
+        step.add("counts/tokens", lengths.sum(), reduction="sum")
+        series = {"": batch.rewards, **{f"rewards/{k}/": v for k, v in per_function.items()}}
         for prefix, scores in series.items():
-            sums[f"{prefix}_n"] = (~scores.isnan()).float().sum()
-        maxima = {"completions/max_length": lengths.max() if len(lengths) else torch.tensor(0.0)}
-        minima: dict[str, torch.Tensor] = {}
-        for key, value in loss_metrics.items():
-            kind = metric_reduction(key)  # ratio_max: a max over micro-batches and processes, not a mean
-            if kind == "mean":
-                sums[f"tok/{key}"] = value * sums["_counted_tokens"]  # local means over counted tokens -> sums
-            elif kind == "sum":
-                sums[f"sum/{key}"] = value  # a term of the loss: summed as "_loss" is
-            else:
-                (maxima if kind == "max" else minima)[key] = value
-        total = {k: float(v) for k, v in reduce_metric_sums(sums).items()}
-        # +-inf: no process counted a token; such an extreme is logged as 0, as the losses' empty-mask metrics
-        extrema = {k: float(v) if math.isfinite(v) else 0.0 for k, v in reduce_metric_extrema(maxima, minima).items()}
+            step.add(f"counts/scored/{prefix}", (~scores.isnan()).sum(), reduction="sum")
+        strategy_sums = self.rollout_strategy.metric_sums(scored)
+        for name, value in {**strategy_sums, **scored.reward_failures}.items():
+            step.add(name, value, reduction="sum")
+        total = step.reduce()
 
         def mean_std(prefix: str) -> tuple[float, float]:
             """Over every process; the variance from deviations about the mean (reduce.masked_var),
             so rewards near 1e4 keep their spread, which sum(r^2) / n - mean^2 rounds away."""
-            if total[f"{prefix}_n"] == 0:  # the same on every process: all skip the collectives
+            if total[f"counts/scored/{prefix}"] == 0:  # the same on every process: all skip the collectives
                 return math.nan, math.nan
             scores = series[prefix]
             valid = ~scores.isnan()
@@ -834,27 +810,17 @@ class RLTrainer:
         out["reward"], out["reward_std"] = mean_std("")
         for name in per_function:
             out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = mean_std(f"rewards/{name}/")
-        out["frac_reward_zero_std"] = total["_zero_std"] / total["_sequences"]
-        n_tokens = max(total["_counted_tokens"], 1.0)
-        for key in loss_metrics:
-            if key == "kl" and self.ref_model is None:
-                continue  # no reference policy: a KL of 0 would be a made-up number
-            if f"tok/{key}" in total:
-                out[key] = total[f"tok/{key}"] / n_tokens
-            elif f"sum/{key}" in total:
-                out[key] = total[f"sum/{key}"] / world_size()
-            else:
-                out[key] = extrema[key]
-        out["loss"] = total["_loss"] / world_size()
-        out["completions/mean_length"] = total["completions/_length_sum"] / total["_sequences"]
-        out["completions/max_length"] = extrema["completions/max_length"]
-        out["completions/clipped_ratio"] = total["completions/_truncated"] / total["_sequences"]
+        out["frac_reward_zero_std"] = total["frac_reward_zero_std"]
+        out.update({key: total[key] for key in logged})
+        out["loss"] = total["loss"]
+        for key in ("completions/mean_length", "completions/max_length", "completions/clipped_ratio"):
+            out[key] = total[key]
         out["grad_norm"] = grad_norm
         out["learning_rate"] = self.scheduler.get_last_lr()[0]
-        out["tokens_per_second"] = total["_tokens"] / seconds
+        out["tokens_per_second"] = total["counts/tokens"] / seconds
         out["step_time"] = seconds
-        if self.environment_factory is not None:
-            out.update(episodes.step_metrics(self._trained_episodes, batch))
+        out.update(self.rollout_strategy.metrics({k: total[k] for k in strategy_sums}))
+        out.update({k: total[k] for k in scored.reward_failures})
         return out
 
     # --- the run ------------------------------------------------------------------------------
@@ -883,8 +849,6 @@ class RLTrainer:
         Returns:
             The ``eval/...`` metrics of :func:`torchforge.loop.evaluate`.
         """
-        from torchforge.trainer.eval_command import evaluate_dataset
-
         if self.eval_dataset is None:
             raise InvalidArgumentError("RLTrainer.evaluate: no eval_dataset was given")
         # async_generation: the engine may hold older weights (and is the generator's): evaluate
@@ -892,8 +856,8 @@ class RLTrainer:
         engine = None if self.config.async_generation else self.engine
         with self._sampling_lock, self._autocast_context():
             metrics = evaluate_dataset(self.model, self.tokenizer, self.eval_dataset, self.reward_functions,
-                                       self.config, render=self._render, stop_token_ids=self.stop_ids,
-                                       engine=engine)
+                                       self.config, render=partial(render_prompt, self.tokenizer),
+                                       stop_token_ids=self.stop_ids, engine=engine)
             self._pop_reward_failures()  # an evaluation's failures are not a training step's
         return metrics
 

@@ -1,0 +1,65 @@
+"""Evaluation of a dataset with an ``RLConfig``'s settings: ``RLTrainer.evaluate`` and ``torchforge eval``.
+
+:func:`evaluate_dataset` renders each row's prompt, passes the row's other fields to the
+reward functions and calls :func:`torchforge.loop.evaluate` with the config's evaluation
+and sampling settings (``num_eval_generations``, ``eval_correct_threshold``,
+``max_completion_length``, ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``,
+``reward_weights``, ``seed``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torchforge.errors import InvalidArgumentError
+from torchforge.loop.evaluate import evaluate
+from torchforge.loop.rollout import completion_stop_ids
+from torchforge.trainer.rollouts import render_prompt
+
+__all__ = ["evaluate_dataset"]
+
+
+def evaluate_dataset(model: Any, tokenizer: Any, dataset: Any, reward_functions: Sequence[Callable], config: Any, *,
+                     render: Callable[[Any], str] | None = None, stop_token_ids: Sequence[int] | None = None,
+                     engine: Any = None) -> dict[str, float]:
+    """:func:`torchforge.loop.evaluate` over a dataset's rows with an ``RLConfig``'s settings.
+
+    Args:
+        model: the policy (plain, DDP or FSDP2; every process calls this).
+        tokenizer: its tokenizer.
+        dataset: rows with a ``"prompt"``; the other fields reach the reward functions.
+        reward_functions: RewardFunction objects and / or TRL-style callables.
+        config: an ``RLConfig`` (``num_eval_generations``, ``eval_correct_threshold``,
+            ``max_completion_length``, sampling settings, ``reward_weights``, ``seed``).
+        render: prompt -> text (default: :func:`render_prompt` with ``tokenizer``).
+        stop_token_ids: ids that end a completion (default the config's and eos).
+        engine: the generation engine (default Hugging Face ``generate`` on ``model``).
+
+    Returns:
+        The ``eval/...`` metrics, the same on every process.
+
+    Example:
+        >>> from torchforge.trainer.config import RLConfig
+        >>> from torchforge.trainer.demo import CopyDigitsReward, char_tokenizer, copy_digits_dataset, tiny_llama
+        >>> tokenizer = char_tokenizer()
+        >>> config = RLConfig(num_eval_generations=2, max_completion_length=4)
+        >>> out = evaluate_dataset(tiny_llama(tokenizer), tokenizer, copy_digits_dataset(3), [CopyDigitsReward()], config)
+        >>> out["eval/num_prompts"]
+        3.0
+    """
+    rows = [dict(dataset[i]) for i in range(len(dataset))]
+    if not rows or "prompt" not in rows[0]:
+        raise InvalidArgumentError(f"evaluate: the eval dataset has {len(rows)} rows"
+                                   f"{' with fields ' + str(sorted(rows[0])) if rows else ''}; expected rows with a "
+                                   "'prompt' field")
+    render = render or (lambda prompt: render_prompt(tokenizer, prompt, caller="evaluate"))
+    columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"}
+    return evaluate(
+        model, tokenizer, [render(row["prompt"]) for row in rows], reward_functions,
+        num_generations=config.num_eval_generations, max_new_tokens=config.max_completion_length,
+        columns=columns, weights=config.reward_weights, correct_threshold=config.eval_correct_threshold,
+        temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+        stop_token_ids=stop_token_ids or completion_stop_ids(tokenizer, model, config.stop_token_ids), seed=config.seed,
+        engine=engine,
+    )
