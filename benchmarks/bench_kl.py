@@ -32,7 +32,6 @@ Writes benchmarks/results/kl_approx.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import math
 import os
@@ -45,6 +44,7 @@ import time
 import torch
 import torch.nn.functional as F
 from _allocator import keep_freed_buffers
+from _old_names import old_private_names
 
 from torchforge.kl import approx_kl, exact_kl
 
@@ -74,24 +74,6 @@ def load_before(path: str):
     return module.exact_kl
 
 
-@contextlib.contextmanager
-def old_private_names():
-    """While an older copy of a module loads (``--before``), the private helpers it imports
-    from torchforge that have since become public, under their old names."""
-    from torchforge import errors, log_probs, ratios
-
-    def _clamp_log_ratio(log_ratio, max_log_ratio):
-        return ratios.clamp_log_ratio(log_ratio, max_log_ratio=max_log_ratio)
-
-    old = {(log_probs, "_check_temperature"): errors.check_temperature, (ratios, "_clamp_log_ratio"): _clamp_log_ratio}
-    added = [key for key in old if not hasattr(*key)]
-    for module, name in added:
-        setattr(module, name, old[(module, name)])
-    try:
-        yield
-    finally:
-        for module, name in added:
-            delattr(module, name)
 
 
 def _inputs(n, v, dtype, device, grad):

@@ -60,7 +60,6 @@ Writes benchmarks/results/losses.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import importlib.util
 import os
@@ -73,6 +72,7 @@ from pathlib import Path
 
 import torch
 from _allocator import keep_freed_buffers
+from _old_names import old_private_names
 
 from torchforge.covariance_losses import clip_cov_loss, kl_cov_loss
 from torchforge.losses import grpo_loss, ppo_loss
@@ -387,24 +387,6 @@ def load_before(name: str, directory: str):
                 sys.modules.pop(path.stem, None)
 
 
-@contextlib.contextmanager
-def old_private_names():
-    """While an older copy of a module loads (``--before``), the private helpers it imports
-    from torchforge that have since become public, under their old names."""
-    from torchforge import errors, log_probs, ratios
-
-    def _clamp_log_ratio(log_ratio, max_log_ratio):
-        return ratios.clamp_log_ratio(log_ratio, max_log_ratio=max_log_ratio)
-
-    old = {(log_probs, "_check_temperature"): errors.check_temperature, (ratios, "_clamp_log_ratio"): _clamp_log_ratio}
-    added = [key for key in old if not hasattr(*key)]
-    for module, name in added:
-        setattr(module, name, old[(module, name)])
-    try:
-        yield
-    finally:
-        for module, name in added:
-            delattr(module, name)
 
 
 def main():

@@ -1,5 +1,5 @@
-"""Inputs and a gradient call shared by the loss test modules (test_losses, test_ratios,
-test_trust_region_losses, test_covariance_losses)."""
+"""Inputs, a gradient call and a compile check shared by the primitives' test modules (the
+losses, the ratios, the corrections, the advantages and returns)."""
 
 import torch
 
@@ -18,3 +18,30 @@ def _grad(fn, lp, *args, **kwargs):
     loss, metrics = fn(lp, *args, **kwargs)
     loss.backward()
     return loss.detach(), lp.grad, metrics
+
+
+def _log_prob_pair(B=4, T=6, seed=0, spread=0.5, p_mask=0.7):
+    """``(old, rollout, mask)``: the trainer's and the sampler's log-probs of the same tokens."""
+    g = torch.Generator().manual_seed(seed)
+    rollout = -torch.rand(B, T, generator=g) * 3
+    old = rollout + spread * torch.randn(B, T, generator=g)
+    mask = torch.rand(B, T, generator=g) < p_mask
+    return old, rollout, mask
+
+
+def _check_compiled(cases, backend):
+    """Each ``(fn, args, kwargs)`` of ``cases`` under ``torch.compile(fullgraph=True)`` (a graph
+    break raises) equals the eager call."""
+    torch._dynamo.reset()
+    compiled = {}
+    # Every @batch_args wrapper shares one code object, so compiling eight functions counts
+    # as recompiles of it: lift dynamo's per-code-object limit (8) for this test.
+    with torch._dynamo.config.patch(recompile_limit=64):
+        for fn, args, kwargs in cases:
+            key = (fn, tuple(sorted(kwargs)))
+            compiled.setdefault(key, torch.compile(fn, fullgraph=True, backend=backend))
+            out, expected = compiled[key](*args, **kwargs), fn(*args, **kwargs)
+            out = out if isinstance(out, tuple) else (out,)
+            expected = expected if isinstance(expected, tuple) else (expected,)
+            for o, e in zip(out, expected):
+                torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5, equal_nan=True)

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
+from tests._losses_common import _check_compiled
 from tests.reference import (
     gdpo_advantages_ref,
     group_advantages_ref,
@@ -187,34 +188,14 @@ def _compile_cases(B=8, T=37):
     ]
 
 
-def _check_compiled(backend):
-    torch._dynamo.reset()
-    # Every @batch_args wrapper shares one code object, so compiling eight functions counts
-    # as recompiles of it: lift dynamo's per-code-object limit (8) for this test.
-    with torch._dynamo.config.patch(recompile_limit=64):
-        _check_compiled_cases(backend)
-
-
-def _check_compiled_cases(backend):
-    compiled = {}
-    # the second shape makes dynamo retrace with dynamic shapes: that path must not break either
-    for fn, args, kwargs in _compile_cases() + _compile_cases(12, 70):
-        key = (fn, tuple(sorted(kwargs)))
-        compiled.setdefault(key, torch.compile(fn, fullgraph=True, backend=backend))  # graph break raises
-        out, expected = compiled[key](*args, **kwargs), fn(*args, **kwargs)
-        out = out if isinstance(out, tuple) else (out,)
-        expected = expected if isinstance(expected, tuple) else (expected,)
-        for o, e in zip(out, expected):
-            torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5, equal_nan=True)
-
-
 def test_compiles_fullgraph_without_graph_breaks():
-    _check_compiled("aot_eager")
+    # the second shape makes dynamo retrace with dynamic shapes: that path must not break either
+    _check_compiled(_compile_cases() + _compile_cases(12, 70), "aot_eager")
 
 
 @pytest.mark.slow
 def test_compiles_fullgraph_inductor():
-    _check_compiled("inductor")
+    _check_compiled(_compile_cases() + _compile_cases(12, 70), "inductor")
 
 
 # --- exact ties and offsets (every group estimator) ---------------------------------------

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests._losses_common import _log_prob_pair as _data
 from tests.reference import ratio_mask_ref, truncated_importance_weights_ref
 from torchforge.batch import Batch
 from torchforge.corrections import (
@@ -21,14 +22,6 @@ from torchforge.losses import ppo_loss
 
 SETTINGS = settings(max_examples=30, deadline=None)
 NAN = float("nan")
-
-
-def _data(B=4, T=6, seed=0, spread=0.5, p_mask=0.7):
-    g = torch.Generator().manual_seed(seed)
-    rollout = -torch.rand(B, T, generator=g) * 3
-    old = rollout + spread * torch.randn(B, T, generator=g)
-    mask = torch.rand(B, T, generator=g) < p_mask
-    return old, rollout, mask
 
 
 # --- truncated importance weights -------------------------------------------------------

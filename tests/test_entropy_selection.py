@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests._losses_common import _log_prob_pair as _data
 from tests.reference import high_entropy_mask_ref
 from torchforge.batch import Batch
 from torchforge.entropy_selection import entropy_threshold, high_entropy_mask
@@ -14,14 +15,6 @@ from torchforge.errors import DTypeError, InvalidArgumentError, ShapeError, Torc
 
 SETTINGS = settings(max_examples=30, deadline=None)
 NAN = float("nan")
-
-
-def _data(B=4, T=6, seed=0, spread=0.5, p_mask=0.7):
-    g = torch.Generator().manual_seed(seed)
-    rollout = -torch.rand(B, T, generator=g) * 3
-    old = rollout + spread * torch.randn(B, T, generator=g)
-    mask = torch.rand(B, T, generator=g) < p_mask
-    return old, rollout, mask
 
 
 # --- high-entropy tokens ----------------------------------------------------------------

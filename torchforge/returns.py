@@ -38,7 +38,6 @@ import torch
 from torchforge.advantages import group_advantages
 from torchforge.batch import batch_args
 from torchforge.errors import (
-    DTypeError,
     InvalidArgumentError,
     ShapeError,
     check_float,
@@ -46,6 +45,7 @@ from torchforge.errors import (
     check_non_negative,
     check_same_shape,
     check_tensor,
+    reraise_as,
     shape_str,
 )
 from torchforge.kl import approx_kl
@@ -282,10 +282,8 @@ def reinforce_pp_advantages(
                 f"shape {shape_str(rewards)}; for token rewards, subtract the group mean from the "
                 "sequence rewards first and call without groups"
             )
-        try:  # the baseline of REINFORCE++-baseline: r - mean_g, its checks named for this function
+        with reraise_as(fn):  # the baseline of REINFORCE++-baseline: r - mean_g, its checks named for this function
             rewards = group_advantages(rewards, group_size=group_size, group_ids=group_ids, scale="none")
-        except (DTypeError, InvalidArgumentError, ShapeError) as error:
-            raise type(error)(str(error).replace("group_advantages: ", f"{fn}: ", 1)) from None
     returns = _returns(fn, rewards, mask, float(gamma))
     return masked_whiten(returns, mask, sum_over_ranks=sum_over_ranks)
 
@@ -394,10 +392,8 @@ def kl_penalized_rewards(
     check_non_negative(fn, "kl_coef", kl_coef, finite=True)
     dest, width, _ = _compaction(mask)
     token_rewards = _expand(_compact_rewards(fn, rewards, mask, dest, width), dest)
-    try:
+    with reraise_as(fn):  # approx_kl's checks, named for this function
         kl = approx_kl(log_probs.detach(), ref_log_probs.detach(), estimator=estimator)
-    except (InvalidArgumentError, ShapeError) as error:  # its checks, named for this function
-        raise type(error)(str(error).replace("approx_kl: ", f"{fn}: ", 1)) from None
     return (token_rewards - kl_coef * kl).masked_fill_(~mask, 0.0)
 
 

@@ -132,14 +132,11 @@ class StepContext:
 
 def _token_kl(batch: Batch, *, estimator: str = "k3", gradient: str = "estimator", detach: bool = False) -> torch.Tensor:
     """[B, T] ``approx_kl`` of the batch's log-probs against ``ref_log_probs`` (``old_log_probs``
-    for the bias-corrected gradient), every side 0 where the mask is False (as ``grpo_loss``):
-    a NaN there reaches neither the value nor the gradient. The one KL of the algorithms: the
+    for the bias-corrected gradient), 0 where the mask is False (as ``grpo_loss``): a NaN
+    there reaches neither the value nor the gradient. The one KL of the algorithms: the
     penalty of :meth:`Algorithm.kl_penalty` and the logged ``kl``."""
-    mask = batch.mask
     log_probs = batch.log_probs.detach() if detach else batch.log_probs
-    old = batch.old_log_probs
-    return approx_kl(torch.where(mask, log_probs.float(), 0.0), torch.where(mask, batch.ref_log_probs.float(), 0.0),
-                     old_log_probs=None if old is None else torch.where(mask, old.float(), 0.0),
+    return approx_kl(log_probs, batch.ref_log_probs, old_log_probs=batch.old_log_probs, mask=batch.mask,
                      estimator=estimator, gradient=gradient)
 
 
