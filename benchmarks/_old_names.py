@@ -15,7 +15,8 @@ def old_private_names():
     def _clamp_log_ratio(log_ratio, max_log_ratio):
         return ratios.clamp_log_ratio(log_ratio, max_log_ratio=max_log_ratio)
 
-    old = {(log_probs, "_check_temperature"): errors.check_temperature, (ratios, "_clamp_log_ratio"): _clamp_log_ratio}
+    old = {(log_probs, "_check_temperature"): errors.check_temperature, (log_probs, "_row_chunks"): log_probs.row_chunks,
+           (ratios, "_clamp_log_ratio"): _clamp_log_ratio}
     added = [key for key in old if not hasattr(*key)]
     for module, name in added:
         setattr(module, name, old[(module, name)])
