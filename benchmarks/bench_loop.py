@@ -459,6 +459,7 @@ _MISSING = object()
 def phase_breakdown(setting, steps, tokenizer, dataset, workdir) -> list[tuple[str, float, float]]:
     """Median CPU ms per step and phase, torchforge vs the hand-written loop (steps interleaved)."""
     import torchforge.loop.sampling
+    import torchforge.trainer.rollouts
     import torchforge.trainer.trainer
 
     torch.manual_seed(0)
@@ -468,11 +469,11 @@ def phase_breakdown(setting, steps, tokenizer, dataset, workdir) -> list[tuple[s
             runner.step(timed=False)
     per: dict[tuple[str, str], list[float]] = {}
     with _Phases() as ph:
-        module = torchforge.trainer.trainer
-        ph.wrap(module, "rollout", "sampling")
+        module, strategy = torchforge.trainer.trainer, torchforge.trainer.rollouts  # the single-turn strategy
+        ph.wrap(strategy, "rollout", "sampling")
         ph.wrap(torchforge.loop.sampling.SeededSampler, "__call__", "  seeded sampler (part of sampling)")
-        ph.wrap(module, "decode_completions", "decode")
-        ph.wrap(module, "score_rewards", "rewards")
+        ph.wrap(strategy, "decode_completions", "decode")
+        ph.wrap(strategy, "score_rewards", "rewards")
         ph.wrap(module.RLTrainer, "_loss", "log-probs forward + loss")
         ph.wrap(module, "optimizer_step", "grad clip + AdamW (+ scheduler)")
         ph.wrap(module.RLTrainer, "_metrics", "metrics")
