@@ -306,6 +306,13 @@ def test_micro_batches_by_tokens_hand_case():
     assert [p.batch_size[0] for p in micro_batches_by_tokens(batch, 5, group_size=2)] == [2, 2, 2, 2]
 
 
+def test_a_group_above_the_budget_does_not_let_its_neighbours_pass_the_budget():
+    # rows of 3, 2, 2, 5 tokens, budget 4: the 5 runs alone, and the least limit three parts can keep
+    # is 4: 3 | 2 + 2 | 5, not 3 + 2 | 2 | 5 (a limit of 5, set by the row above the budget)
+    parts = micro_batches_by_tokens(_token_batch([1, 0, 0, 3]), 4)
+    assert [int(sequence_tokens(p).sum()) for p in parts] == [3, 4, 5]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 12), min_size=1, max_size=12), st.integers(1, 40), st.sampled_from([1, 2, 3]))
 def test_micro_batches_by_tokens_properties(lengths, budget, group_size):

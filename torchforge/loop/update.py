@@ -86,10 +86,11 @@ def _split(units: list[int], limit: int) -> list[list[int]]:
 
 def _balanced_split(units: list[int], k: int) -> list[list[int]]:
     """Unit indices in exactly ``k`` contiguous parts (fewer only if there are fewer units)
-    whose largest token count is the smallest possible."""
+    under the least limit that k parts can keep, a unit above it being a part of its own:
+    a group above the budget never lets its neighbours' part grow past the budget too."""
     if not units:
         return []
-    low, high = max(units), sum(units)
+    low, high = 0, sum(units)
     while low < high:  # the least limit that k contiguous parts can keep
         mid = (low + high) // 2
         low, high = (low, mid) if _parts_needed(units, mid) <= k else (mid + 1, high)
