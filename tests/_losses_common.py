@@ -45,3 +45,19 @@ def _check_compiled(cases, backend):
             expected = expected if isinstance(expected, tuple) else (expected,)
             for o, e in zip(out, expected):
                 torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def _close(actual, expected, rel=1e-5):
+    """|actual - expected| <= rel * (size of the expected values), in float64."""
+    expected = expected.double()
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    torch.testing.assert_close(actual.double(), expected, rtol=0, atol=rel * max(scale, 1.0))
+
+
+def _random_tokens(B, T, seed, p_keep=0.7):
+    """``(rewards, values, mask)`` of shape [B, T], the mask keeping about ``p_keep``."""
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(B, T, generator=g)
+    values = torch.randn(B, T, generator=g)
+    mask = torch.rand(B, T, generator=g) < p_keep
+    return rewards, values, mask

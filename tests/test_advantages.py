@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from tests._losses_common import _check_compiled
+from tests._losses_common import _check_compiled, _close, _random_tokens
 from tests.reference import (
     gdpo_advantages_ref,
     group_advantages_ref,
@@ -34,21 +34,6 @@ from torchforge.errors import (
 )
 
 NAN = float("nan")
-
-
-def _close(actual, expected, rel=1e-5):
-    """|actual - expected| <= rel * (size of the expected values), in float64."""
-    expected = expected.double()
-    scale = expected.abs().max().item() if expected.numel() else 0.0
-    torch.testing.assert_close(actual.double(), expected, rtol=0, atol=rel * max(scale, 1.0))
-
-
-def _random_tokens(B, T, seed, p_keep=0.7):
-    g = torch.Generator().manual_seed(seed)
-    rewards = torch.randn(B, T, generator=g)
-    values = torch.randn(B, T, generator=g)
-    mask = torch.rand(B, T, generator=g) < p_keep
-    return rewards, values, mask
 
 
 # --- group_advantages ---------------------------------------------------------------------

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from tests._losses_common import _check_compiled
+from tests._losses_common import _check_compiled, _close, _random_tokens
 from tests.reference import discounted_returns_ref, gae_ref, remax_advantages_ref
 from torchforge.batch import Batch
 from torchforge.errors import DTypeError, InvalidArgumentError, ShapeError, TorchforgeError
@@ -21,21 +21,6 @@ from torchforge.returns import (
 )
 
 NAN = float("nan")
-
-
-def _close(actual, expected, rel=1e-5):
-    """|actual - expected| <= rel * (size of the expected values), in float64."""
-    expected = expected.double()
-    scale = expected.abs().max().item() if expected.numel() else 0.0
-    torch.testing.assert_close(actual.double(), expected, rtol=0, atol=rel * max(scale, 1.0))
-
-
-def _random_tokens(B, T, seed, p_keep=0.7):
-    g = torch.Generator().manual_seed(seed)
-    rewards = torch.randn(B, T, generator=g)
-    values = torch.randn(B, T, generator=g)
-    mask = torch.rand(B, T, generator=g) < p_keep
-    return rewards, values, mask
 
 
 # --- discounted_returns -------------------------------------------------------------------
