@@ -5,7 +5,9 @@ combines over the micro-batches and processes of a step is its *reduction*:
 
 - ``"mean"``: a mean over counted tokens (or another weight): the weighted mean of the parts;
 - ``"sum"``: the parts add up (a count, or a term of the loss computed with the step's
-  global counts, whose micro-batch and process shares add up to the whole);
+  global counts, whose micro-batch and process shares add up to the whole). A term named
+  ``*_loss`` is, like the loss, each process's share (``accumulate_gradients`` divides it
+  by the number of processes); a ``Metric(value, "sum")`` is a count, added as it is;
 - ``"max"`` / ``"min"``: an extreme (``ratio_max``): the extreme of the parts; a part with
   nothing counted never wins.
 
