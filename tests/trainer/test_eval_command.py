@@ -166,3 +166,144 @@ def test_torchforge_eval_errors(tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
     assert main(["eval", "--model", str(tmp_path), "--dataset", str(tmp_path)]) == 2
     assert "torchforge eval: no reward functions" in capsys.readouterr().err
+
+
+# --- eval_dataset from the command line ------------------------------------------------------
+
+QUICK = ["max_steps=2", "prompts_per_step=2", "num_generations=2", "max_completion_length=4", "progress_bar=false",
+         "num_eval_generations=2", "eval_correct_threshold=0.5"]
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_eval_dataset_from_the_command_line_is_scored_every_eval_steps_and_resume_keeps_the_schedule(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from torchforge.trainer.cli import check_run, load_run_config, main
+    from torchforge.trainer.evaluation import evaluate_dataset
+
+    rows = demo.copy_digits_dataset(3, seed=5)
+    held_out = _jsonl(tmp_path / "held_out.jsonl", rows)
+    run = tmp_path / "run"
+    settings = [*QUICK, f"eval_dataset={held_out}", "eval_steps=2", f"output_dir={run}"]
+    assert main(["train", *settings]) == 0  # the demo, scored on the user's rows
+    logged = _metrics(run)
+    assert [r["step"] for r in logged] == [1, 2]
+    assert not any(k.startswith("eval/") for k in logged[0])
+    assert logged[1]["eval/num_prompts"] == 3.0 and {"eval/reward", "eval/pass@1", "eval/pass@2"} <= set(logged[1])
+    # the figures are those of the model after step 2, scored with the run's settings
+    config = check_run(load_run_config(None, settings)).config
+    final = AutoModelForCausalLM.from_pretrained(run / "final")
+    direct = evaluate_dataset(final, demo.char_tokenizer(), rows, [demo.CopyDigitsReward()], config)
+    for key in ("eval/reward", "eval/pass@1", "eval/pass@2", "eval/greedy_reward"):
+        assert logged[1][key] == pytest.approx(direct[key], abs=1e-7), key
+
+    # resumed to step 5: evaluated at 4 (the schedule counts the run's steps, not the resumed ones)
+    assert main(["train", "--resume", *settings, "max_steps=5"]) == 0
+    logged = _metrics(run)
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in logged if "eval/reward" in r] == [2, 4]
+
+
+def test_eval_dataset_takes_what_dataset_takes_a_datasets_folder_and_its_split(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="needs datasets (pip install -e '.[data]')")
+    from torchforge.trainer.cli import check_run
+
+    folder = tmp_path / "copy"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(demo.copy_digits_dataset(8, seed=1)),
+                          "test": datasets.Dataset.from_list(demo.copy_digits_dataset(3, seed=2)),
+                          "validation": datasets.Dataset.from_list(demo.copy_digits_dataset(2, seed=3))}
+                         ).save_to_disk(str(folder))
+    model = tmp_path / "model"
+    (model).mkdir()
+    (model / "config.json").write_text("{}")  # never loaded: check_run only
+    base = {"model": str(model), "dataset": str(folder), "reward_functions": ["torchforge.trainer.demo.CopyDigitsReward"],
+            "output_dir": str(tmp_path / "out"), "eval_steps": 1}
+    run = check_run({**base, "eval_dataset": str(folder)})  # a DatasetDict: train for training, test for evaluation
+    assert run.dataset == (str(folder), "train")
+    assert [r["prompt"] for r in run.eval_rows] == [r["prompt"] for r in demo.copy_digits_dataset(3, seed=2)]
+    run = check_run({**base, "eval_dataset": {"path": str(folder), "split": "validation"}})
+    assert [r["prompt"] for r in run.eval_rows] == [r["prompt"] for r in demo.copy_digits_dataset(2, seed=3)]
+    # the demo's task: fresh rows, another draw than the training rows'
+    run = check_run({"eval_dataset": "demo", "eval_steps": 5, "output_dir": str(tmp_path / "demo")})
+    assert run.eval_rows == demo.copy_digits_dataset(64, seed=run.config.seed + 1)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"eval_steps": 10}, "eval_steps is set without eval_dataset: nothing would be evaluated; expected "
+                         "eval_dataset=FILE (a JSONL file or datasets folder of prompts) too, or neither"),
+    ({"eval_dataset": "{data}"}, "eval_dataset is set without eval_steps: nothing would be evaluated; expected "
+                                 "eval_steps=N (every N steps) too, or neither"),
+    ({"eval_dataset": "held_out.jsonl", "eval_steps": 10},
+     "eval_dataset 'held_out.jsonl' does not exist; expected a JSONL file or a datasets folder"),
+    ({"eval_dataset": "{no_prompt}", "eval_steps": 10},
+     "eval_dataset: the eval dataset has 1 rows with fields ['question']; expected rows with a 'prompt' field"),
+    ({"eval_dataset": {"path": "{data}", "split": "test"}, "eval_steps": 10},
+     "eval_dataset: split 'test' of '{data}', which has no splits; expected a DatasetDict folder"),
+    ({"eval_dataset": {"path": "{data}", "splt": "test"}, "eval_steps": 10},
+     "eval_dataset={'path': '{data}', 'splt': 'test'}; expected a JSONL file, a datasets folder or {path: DIR, "
+     "split: NAME}"),
+    ({"eval_dataset": "demo", "eval_steps": 10}, "eval_dataset=demo with a model; expected a JSONL file"),
+    ({"eval_dataset": "{bad_json}", "eval_steps": 10}, "eval_dataset {bad_json}:2: not a JSON line"),
+])
+def test_eval_dataset_mistakes_are_one_line_before_the_model_loads(tmp_path, settings, message, capsys, monkeypatch):
+    import transformers
+    import yaml
+
+    from torchforge.trainer.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    paths = {"data": str(_jsonl(tmp_path / "data.jsonl", demo.copy_digits_dataset(4))),
+             "no_prompt": str(_jsonl(tmp_path / "q.jsonl", [{"question": "1+1"}])),
+             "bad_json": str(tmp_path / "bad.jsonl")}
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1"}\n{"prompt": \n')
+    def fill(value):  # the {data} / {no_prompt} / {bad_json} placeholders of the cases
+        if isinstance(value, dict):
+            return {k: fill(v) for k, v in value.items()}
+        for name, path in paths.items():
+            value = value.replace("{" + name + "}", path) if isinstance(value, str) else value
+        return value
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": str(model), "dataset": paths["data"], "output_dir": str(tmp_path / "out"),
+                                      "reward_functions": ["torchforge.trainer.demo.CopyDigitsReward"],
+                                      **fill(settings)}))
+    assert main(["train", "--config", str(config)]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: " + fill(message)), lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_issue_command_eval_steps_alone_on_the_demo_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "torchforge", "train", "eval_steps=10", f"output_dir={tmp_path / 'o'}"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: eval_steps is set without eval_dataset: nothing would be evaluated; expected eval_dataset=FILE "
+        "(a JSONL file or datasets folder of prompts) too, or neither"]
+
+
+def test_the_trainer_refuses_eval_steps_without_an_eval_dataset_and_rows_without_a_prompt(tmp_path):
+    from torchforge import RLTrainer
+
+    with pytest.raises(InvalidArgumentError, match=r"^RLTrainer: eval_steps=1 without an eval_dataset: nothing would "
+                                                   r"be evaluated; expected eval_dataset=rows"):
+        RLTrainer(config=_config(tmp_path))
+    with pytest.raises(InvalidArgumentError, match=r"^RLTrainer: the eval dataset has 0 rows; expected rows with a "
+                                                   r"'prompt' field$"):
+        RLTrainer(config=_config(tmp_path), eval_dataset=[])

@@ -4,7 +4,8 @@
 ``torchforge train key=value ...``        the demo with some settings changed
 ``torchforge train --config run.yaml``    a real run: RLConfig fields plus ``model`` (a local
                                           Hugging Face folder), ``dataset`` (a JSONL file or a
-                                          ``datasets`` folder), ``reward_functions`` (dotted
+                                          ``datasets`` folder), ``eval_dataset`` (the same, scored
+                                          every ``eval_steps``), ``reward_functions`` (dotted
                                           import paths) and ``distributed`` (DistributedConfig
                                           fields); ``key=value`` overrides the file
 ``torchforge train --nproc N ...``        the same on N processes (torch.distributed.run)
@@ -36,6 +37,7 @@ from torchforge.trainer.policy_losses import POLICY_LOSS_REGISTRY
 from torchforge.trainer.run_config import (
     RewardRaised,
     add_import_folders,
+    dataset_source,
     did_you_mean,
     import_object,
     load_run_config,
@@ -50,7 +52,9 @@ __all__ = ["main", "run", "load_run_config", "import_object", "check_run", "buil
 
 _RUN_KEYS = {
     "model": "a local Hugging Face folder (none: the embedded demo)",
-    "dataset": "a JSONL file or a `datasets` folder of rows with a 'prompt' field",
+    "dataset": "a JSONL file or a `datasets` folder of rows with a 'prompt' field, or {path: DIR, split: NAME}",
+    "eval_dataset": "what `dataset` takes (a DatasetDict folder's 'test' split unless named), scored every "
+                    "`eval_steps` steps; `demo`: fresh rows of the demo's task",
     "reward_functions": "dotted import paths, e.g. [myrewards.correct, myrewards:Format], or {reward_model: DIR, ...} / {judge: DIR, ...}",
     "environment": "a dotted import path of a multi-turn environment class, one per episode (RLTrainer's environment_factory), "
                    "or {openenv: URL, ...} / {verifiers: ID, ...}",
@@ -140,7 +144,8 @@ def _check_types(values: dict[str, Any], cls: type, prefix: str = "") -> None:
 class _Run:
     config: Any  # RLConfig
     model: str | None = None
-    dataset: str | None = None
+    dataset: tuple[str, str | None] | None = None  # (path, split): dataset_source
+    eval_rows: Any = None  # the eval_dataset's rows, read and checked before any model loads
     reward_functions: list[Any] = dataclasses.field(default_factory=list)
     distributed: Any = None  # DistributedConfig or None
     environment: Any = None  # a multi-turn environment class or None
@@ -160,8 +165,8 @@ def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
         num_processes: processes the run will have (``--nproc`` times ``--nnodes``).
 
     Returns:
-        The checked run: ``config`` (RLConfig), ``model``, ``dataset``, ``reward_functions``,
-        ``distributed``.
+        The checked run: ``config`` (RLConfig), ``model``, ``dataset``, ``eval_rows``,
+        ``reward_functions``, ``distributed``.
     """
     from torchforge.distributed import DistributedConfig
     from torchforge.trainer.config import RLConfig
@@ -201,6 +206,7 @@ def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
                 "(a local Hugging Face folder) too"
             )
         run = _Run(config=demo_config(**values), distributed=dist, environment=environment)
+        run.eval_rows = _eval_rows(run_values.get("eval_dataset"), run.config, demo=True)
     else:
         missing = [k for k in ("dataset", "reward_functions") if k not in run_values
                    and not (k == "reward_functions" and environment) and not (k == "dataset" and brings_rows)]
@@ -212,9 +218,9 @@ def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
         if not isinstance(rewards, list) or not (rewards or environment):
             raise InvalidArgumentError(f"reward_functions={rewards!r}; expected a list of dotted import paths")
         dataset = run_values.get("dataset")
-        if not (dataset is None and brings_rows) and (not isinstance(dataset, str) or not Path(dataset).expanduser().exists()):
-            raise InvalidArgumentError(f"dataset {dataset!r} does not exist; expected a JSONL file or a datasets folder")
+        dataset = None if dataset is None and brings_rows else dataset_source("dataset", dataset)
         run = _Run(config=config, model=_check_model(run_values["model"]), dataset=dataset,
+                   eval_rows=_eval_rows(run_values.get("eval_dataset"), config, demo=False),
                    reward_functions=reward_functions_from_settings(rewards), distributed=dist, environment=environment)
     if run.config.prompts_per_step % num_processes:
         raise InvalidArgumentError(
@@ -234,6 +240,28 @@ def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
     return run
 
 
+def _eval_rows(setting: Any, config: Any, *, demo: bool) -> Any:
+    """The ``eval_dataset``'s rows, read and checked (paired with ``eval_steps``), or None."""
+    if (setting is None) != (config.eval_steps is None):
+        given, missing = ("eval_steps", "eval_dataset") if setting is None else ("eval_dataset", "eval_steps")
+        what = "FILE (a JSONL file or datasets folder of prompts)" if missing == "eval_dataset" else "N (every N steps)"
+        raise InvalidArgumentError(f"{given} is set without {missing}: nothing would be evaluated; expected "
+                                   f"{missing}={what} too, or neither")
+    if setting is None:
+        return None
+    if setting == "demo":
+        if not demo:
+            raise InvalidArgumentError("eval_dataset=demo with a model; expected a JSONL file or datasets folder "
+                                       "(`demo` is the embedded demo's task)")
+        from torchforge.trainer.demo import copy_digits_dataset
+
+        return copy_digits_dataset(64, seed=config.seed + 1)  # another draw than the training rows'
+    from torchforge.trainer.evaluation import check_eval_rows
+
+    path, split = dataset_source("eval_dataset", setting, split="test")
+    return check_eval_rows(read_dataset(path, split=split, key="eval_dataset"), "eval_dataset")
+
+
 def build_trainer(values: dict[str, Any] | _Run):
     """An RLTrainer from merged run settings (see :func:`load_run_config`) or a checked run.
 
@@ -247,13 +275,15 @@ def build_trainer(values: dict[str, Any] | _Run):
 
     run = values if isinstance(values, _Run) else check_run(values)
     if run.model is None:
-        return RLTrainer(config=run.config, distributed_config=run.distributed, environment_factory=run.environment)
+        return RLTrainer(config=run.config, distributed_config=run.distributed, environment_factory=run.environment,
+                         eval_dataset=run.eval_rows)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars: the command prints its own summary
     reward_functions = run.reward_functions
-    train_dataset = read_dataset(run.dataset) if run.dataset is not None else None  # None: the environment's rows
+    # None: the environment's rows
+    train_dataset = read_dataset(run.dataset[0], split=run.dataset[1]) if run.dataset is not None else None
     try:
         model = AutoModelForCausalLM.from_pretrained(run.model)
         tokenizer = AutoTokenizer.from_pretrained(run.model)
@@ -262,7 +292,8 @@ def build_trainer(values: dict[str, Any] | _Run):
         raise InvalidArgumentError(f"model {run.model!r} could not be loaded: {first}") from error
     return RLTrainer(
         model=model, tokenizer=tokenizer, config=run.config, reward_functions=reward_functions,
-        train_dataset=train_dataset, distributed_config=run.distributed, environment_factory=run.environment,
+        train_dataset=train_dataset, eval_dataset=run.eval_rows, distributed_config=run.distributed,
+        environment_factory=run.environment,
     )
 
 

@@ -17,7 +17,21 @@ from torchforge.loop.evaluate import evaluate
 from torchforge.loop.rollout import completion_stop_ids
 from torchforge.trainer.rollouts import render_prompt
 
-__all__ = ["evaluate_dataset"]
+__all__ = ["evaluate_dataset", "check_eval_rows"]
+
+
+def check_eval_rows(dataset: Any, caller: str) -> Any:
+    """``dataset`` itself when it has rows with a ``"prompt"``; a one-line error naming ``caller`` otherwise."""
+    size = len(dataset) if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__") else None
+    if size is None:
+        raise InvalidArgumentError(f"{caller}: the eval dataset is a {type(dataset).__name__}; expected a sequence "
+                                   "of rows (dicts) or a datasets.Dataset")
+    first = dict(dataset[0]) if size else {}
+    if "prompt" not in first:
+        raise InvalidArgumentError(f"{caller}: the eval dataset has {size} rows"
+                                   f"{' with fields ' + str(sorted(first)) if size else ''}; expected rows with a "
+                                   "'prompt' field")
+    return dataset
 
 
 def evaluate_dataset(model: Any, tokenizer: Any, dataset: Any, reward_functions: Sequence[Callable], config: Any, *,
@@ -48,11 +62,8 @@ def evaluate_dataset(model: Any, tokenizer: Any, dataset: Any, reward_functions:
         >>> out["eval/num_prompts"]
         3.0
     """
+    dataset = check_eval_rows(dataset, "evaluate")
     rows = [dict(dataset[i]) for i in range(len(dataset))]
-    if not rows or "prompt" not in rows[0]:
-        raise InvalidArgumentError(f"evaluate: the eval dataset has {len(rows)} rows"
-                                   f"{' with fields ' + str(sorted(rows[0])) if rows else ''}; expected rows with a "
-                                   "'prompt' field")
     render = render or (lambda prompt: render_prompt(tokenizer, prompt, caller="evaluate"))
     columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"}
     return evaluate(

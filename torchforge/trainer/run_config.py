@@ -1,10 +1,11 @@
 """Reading a run's settings, shared by ``torchforge train`` and ``torchforge eval``.
 
 A run is described by a YAML file of settings and ``key=value`` overrides
-(:func:`load_run_config`); its ``dataset`` is a JSONL file or a ``datasets`` folder
-(:func:`read_dataset`), its ``reward_functions`` dotted import paths or reward-model /
-judge settings (:func:`reward_functions_from_settings`), and every dotted path is resolved
-with :func:`import_object` from the working directory and the config file's folder
+(:func:`load_run_config`); its ``dataset`` and ``eval_dataset`` are JSONL files or
+``datasets`` folders, with a split (:func:`dataset_source`, :func:`read_dataset`), its
+``reward_functions`` dotted import paths or reward-model / judge settings
+(:func:`reward_functions_from_settings`), and every dotted path is resolved with
+:func:`import_object` from the working directory and the config file's folder
 (:func:`add_import_folders`). Nothing here loads a model: a mistake is one
 ``InvalidArgumentError`` line before anything heavy.
 """
@@ -31,6 +32,7 @@ __all__ = [
     "import_object",
     "add_import_folders",
     "read_dataset",
+    "dataset_source",
     "reward_functions_from_settings",
     "RewardRaised",
     "did_you_mean",
@@ -165,12 +167,62 @@ def did_you_mean(key: str, names: Sequence[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def read_dataset(path: str) -> Any:
-    """A run's ``dataset``: the rows of a JSONL file, or the ``train`` split of a ``datasets`` folder.
+def dataset_source(key: str, value: Any, *, split: str = "train") -> tuple[str, str | None]:
+    """A run's ``dataset`` / ``eval_dataset`` setting checked without reading it: its path and split.
+
+    The setting is a JSONL file, a ``datasets`` folder (``save_to_disk``'s output: one
+    ``Dataset``, or a ``DatasetDict`` of splits, of which ``split`` is taken), or the mapping
+    ``{path: DIR, split: NAME}`` that names another split. A ``DatasetDict``'s splits are read
+    from its ``dataset_dict.json``, so that a missing split is an error before anything loads.
+
+    Args:
+        key: the setting's name, for the messages (``"dataset"``, ``"eval_dataset"``).
+        value: the setting.
+        split: the split of a ``DatasetDict`` folder when ``value`` names none.
+
+    Returns:
+        ``(path, split)``: ``split`` is None for a JSONL file or a folder of one ``Dataset``.
+
+    Example:
+        >>> dataset_source("eval_dataset", {"path": "/nowhere", "split": "test"})
+        Traceback (most recent call last):
+        ...
+        torchforge.errors.InvalidArgumentError: eval_dataset '/nowhere' does not exist; expected a JSONL file or a datasets folder
+    """
+    form = "a JSONL file, a datasets folder or {path: DIR, split: NAME}"
+    named = None
+    if isinstance(value, dict):
+        if set(value) - {"path", "split"} or not isinstance(value.get("path"), str) or not isinstance(
+                value.get("split", ""), str):
+            raise InvalidArgumentError(f"{key}={value!r}; expected {form}")
+        value, named = value["path"], value.get("split")
+    if not isinstance(value, str) or not value:
+        raise InvalidArgumentError(f"{key}={value!r}; expected {form}")
+    p = Path(value).expanduser()
+    if not p.exists():
+        raise InvalidArgumentError(f"{key} {value!r} does not exist; expected a JSONL file or a datasets folder")
+    splits_file = p / "dataset_dict.json"
+    if not splits_file.is_file():  # a JSONL file, or a folder of one Dataset
+        if named is not None:
+            raise InvalidArgumentError(f"{key}: split {named!r} of {value!r}, which has no splits; expected a "
+                                       "DatasetDict folder (save_to_disk of a DatasetDict), or no split")
+        return str(p), None
+    splits = list(json.loads(splits_file.read_text()).get("splits", []))
+    chosen = named if named is not None else split
+    if chosen not in splits:
+        raise InvalidArgumentError(f"{key} {value!r} has the splits {splits}, not {chosen!r}; expected "
+                                   f"{key}={{path: {value}, split: NAME}} with NAME one of them")
+    return str(p), chosen
+
+
+def read_dataset(path: str, *, split: str | None = "train", key: str = "dataset") -> Any:
+    """A run's ``dataset`` / ``eval_dataset``: the rows of a JSONL file, or one split of a ``datasets`` folder.
 
     Args:
         path: a JSONL file (one JSON object a line; blank lines skipped) or a folder that
-            ``datasets.load_from_disk`` reads.
+            ``datasets.load_from_disk`` reads (see :func:`dataset_source`).
+        split: the split taken from a ``DatasetDict`` folder (default ``"train"``).
+        key: the setting's name, for the messages.
 
     Returns:
         A list of dicts (JSONL), or a ``datasets.Dataset``.
@@ -184,14 +236,19 @@ def read_dataset(path: str) -> Any:
                     try:
                         rows.append(json.loads(line))
                     except json.JSONDecodeError as error:
-                        raise InvalidArgumentError(f"dataset {path}:{i}: not a JSON line ({error.msg})") from None
+                        raise InvalidArgumentError(f"{key} {path}:{i}: not a JSON line ({error.msg})") from None
         return rows
     if p.is_dir():
         from datasets import DatasetDict, load_from_disk  # an optional extra, and slow to import
 
         data = load_from_disk(str(p))
-        return data["train"] if isinstance(data, DatasetDict) else data
-    raise InvalidArgumentError(f"dataset {path!r} does not exist; expected a JSONL file or a datasets folder")
+        if not isinstance(data, DatasetDict):
+            return data
+        if split not in data:
+            raise InvalidArgumentError(f"{key} {path!r} has the splits {list(data)}, not {split!r}; "
+                                       f"expected {key}={{path: {path}, split: NAME}} with NAME one of them")
+        return data[split]
+    raise InvalidArgumentError(f"{key} {path!r} does not exist; expected a JSONL file or a datasets folder")
 
 
 # --- reward functions: name the sample a raising function failed on ----------------------

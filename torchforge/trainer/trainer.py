@@ -75,7 +75,7 @@ from torchforge.loop.engines import HFEngine, make_engine
 from torchforge.loop.metrics import StepMetrics
 from torchforge.reduce import Aggregation, masked_mean, masked_var
 from torchforge.trainer.episodes import EpisodeRollout
-from torchforge.trainer.evaluation import evaluate_dataset
+from torchforge.trainer.evaluation import check_eval_rows, evaluate_dataset
 from torchforge.trainer.algorithms import Algorithm, StepContext, algorithm_from_name
 from torchforge.trainer.async_generation import AsyncGenerator
 from torchforge.trainer.config import RLConfig
@@ -226,6 +226,11 @@ class RLTrainer:
         self.output_dir = Path(self.config.output_dir)
         self._check_new_run()
         check_tracker_packages(self.config.report_to)  # a missing wandb / trackio: one line, before any model
+        if eval_dataset is not None:
+            eval_dataset = check_eval_rows(eval_dataset, "RLTrainer")
+        elif self.config.eval_steps is not None:
+            raise InvalidArgumentError(f"RLTrainer: eval_steps={self.config.eval_steps} without an eval_dataset: nothing "
+                                       "would be evaluated; expected eval_dataset=rows with a 'prompt', or eval_steps=None")
         self.eval_dataset = eval_dataset
         self.peft_config = peft_config if peft_config is not None else self.config.lora
         if environment_factory is not None and self.config.dynamic_sampling:
