@@ -285,7 +285,7 @@ def load_processor(folder: str) -> Any:
 
     try:
         return AutoProcessor.from_pretrained(folder)
-    except (AttributeError, ImportError, ValueError, TypeError) as error:
+    except (AttributeError, ImportError, OSError, ValueError, TypeError) as error:  # OSError: no video processor
         first = error
     path = Path(folder)
     config = {}
