@@ -55,8 +55,8 @@ def vlm_tokenizer(image_tokens: Sequence[str], words: Sequence[str] = WORDS) -> 
 
     Example:
         >>> tokenizer = vlm_tokenizer(["<image>"])
-        >>> tokenizer.decode(tokenizer("what colour ?")["input_ids"])
-        'what colour ?'
+        >>> tokenizer.decode(tokenizer("what colour is it")["input_ids"])
+        'what colour is <unk>'
     """
     specials = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>", *image_tokens]
     vocab = {token: i for i, token in enumerate([*specials, *words])}
