@@ -49,6 +49,7 @@ __all__ = [
     "token_type_inputs",
     "uses_mrope",
     "vision_tower_parameters",
+    "is_vision_tower_name",
     "placeholder_ids",
 ]
 
@@ -450,14 +451,15 @@ def token_type_inputs(model: Any, input_ids: torch.Tensor, prompt_length: int) -
     as ``generate`` extends it.
 
     Args:
-        model: the VLM.
+        model: the VLM (or a peft model of it).
         input_ids: [B, L] ids, the first ``prompt_length`` the (padded) prompt.
         prompt_length: P.
 
     Returns:
         ``{"mm_token_type_ids": [B, L] int64}``, or {} for a model that takes none.
     """
-    if "mm_token_type_ids" not in inspect.signature(model.forward).parameters:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its base's forward
+    if "mm_token_type_ids" not in inspect.signature(base.forward).parameters:
         return {}
     config = model.config
     types = torch.zeros_like(input_ids)
@@ -489,5 +491,15 @@ def vision_tower_parameters(model: torch.nn.Module) -> list[str]:
         >>> bool(names) and all("vision_tower" in n or "multi_modal_projector" in n for n in names)
         True
     """
-    return [name for name, _ in model.named_parameters()
-            if any(part in _VISION_NAMES for part in name.split("."))]
+    return [name for name, _ in model.named_parameters() if is_vision_tower_name(name)]
+
+
+def is_vision_tower_name(name: str) -> bool:
+    """True for a parameter or module name inside a VLM's vision tower or projector
+    (a dotted part ``visual``, ``vision_tower``, ``multi_modal_projector``, ...).
+
+    Example:
+        >>> is_vision_tower_name("model.visual.blocks.0.attn.qkv"), is_vision_tower_name("model.language_model.layers.0")
+        (True, False)
+    """
+    return any(part in _VISION_NAMES for part in name.split("."))
