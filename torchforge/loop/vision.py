@@ -222,7 +222,10 @@ def check_vision_model_folder(folder: str, *, has_images: bool) -> bool:
     path = Path(folder)
     if not (path / "config.json").is_file():
         return False
-    config = json.loads((path / "config.json").read_text())
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except ValueError:  # not JSON: loading the model says so
+        return False
     vision = is_vision_config(config)
     if has_images and not vision:
         raise InvalidArgumentError(

@@ -144,6 +144,7 @@ class _Run:
     reward_functions: list[Any] = dataclasses.field(default_factory=list)
     distributed: Any = None  # DistributedConfig or None
     environment: Any = None  # a multi-turn environment class or None
+    vision: bool = False  # the model is a vision-language model (loaded with its processor)
 
 
 def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
@@ -214,8 +215,13 @@ def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
         dataset = run_values.get("dataset")
         if not (dataset is None and brings_rows) and (not isinstance(dataset, str) or not Path(dataset).expanduser().exists()):
             raise InvalidArgumentError(f"dataset {dataset!r} does not exist; expected a JSONL file or a datasets folder")
-        run = _Run(config=config, model=_check_model(run_values["model"]), dataset=dataset,
-                   reward_functions=reward_functions_from_settings(rewards), distributed=dist, environment=environment)
+        model = _check_model(run_values["model"])
+        from torchforge.trainer.vision_task import check_vision_run
+
+        # images: every image file exists, the model takes images and has its processor (before it loads)
+        vision = check_vision_run(model, dataset, config, has_environment=environment is not None)
+        run = _Run(config=config, model=model, dataset=dataset, reward_functions=reward_functions_from_settings(rewards),
+                   distributed=dist, environment=environment, vision=vision)
     if run.config.prompts_per_step % num_processes:
         raise InvalidArgumentError(
             f"prompts_per_step={run.config.prompts_per_step} does not split over {num_processes} processes; "
@@ -254,15 +260,28 @@ def build_trainer(values: dict[str, Any] | _Run):
     hf_logging.disable_progress_bar()  # "Loading weights" bars: the command prints its own summary
     reward_functions = run.reward_functions
     train_dataset = read_dataset(run.dataset) if run.dataset is not None else None  # None: the environment's rows
+    processor = None
     try:
-        model = AutoModelForCausalLM.from_pretrained(run.model)
-        tokenizer = AutoTokenizer.from_pretrained(run.model)
+        if run.vision:  # a vision-language model and its processor (torchforge.trainer.vision_task)
+            from transformers import AutoModelForImageTextToText
+
+            from torchforge.loop.vision import load_processor
+            from torchforge.trainer.vision_task import resolve_image_paths
+
+            model = AutoModelForImageTextToText.from_pretrained(run.model)
+            processor = load_processor(run.model)
+            tokenizer = processor.tokenizer
+            train_dataset = resolve_image_paths(train_dataset, Path(run.dataset).expanduser().parent)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(run.model)
+            tokenizer = AutoTokenizer.from_pretrained(run.model)
     except OSError as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise InvalidArgumentError(f"model {run.model!r} could not be loaded: {first}") from error
     return RLTrainer(
         model=model, tokenizer=tokenizer, config=run.config, reward_functions=reward_functions,
         train_dataset=train_dataset, distributed_config=run.distributed, environment_factory=run.environment,
+        processor=processor,
     )
 
 
