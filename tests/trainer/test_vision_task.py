@@ -235,3 +235,29 @@ def test_relative_image_paths_resolve_from_the_dataset_folder(tmp_path):
         {"prompt": "b", "images": str(tmp_path / "w.png")}, {"prompt": "c"}]
     assert chat_with_images("q", 0) == "q"
     assert chat_with_images("q", 2)[0]["content"][:2] == [{"type": "image"}, {"type": "image"}]
+
+
+def test_dynamic_sampling_and_micro_batches_carry_the_vision_inputs(tmp_path):
+    # dynamic sampling concatenates batches of several rounds (their vision inputs with them,
+    # torchforge.loop.vision.cat_vision) and micro-batches slice them; every row keeps its own
+    rows = [{"prompt": "what colour is the image ?", "images": [Image.new("RGB", (56, 56), c)], "answer": c}
+            for c in COLOURS]
+    model, processor = tiny_qwen2_vl(seed=0)
+    trainer = _trainer(tmp_path, model, processor, rows, max_steps=1, dynamic_sampling=True, max_sampling_rounds=3,
+                       micro_batch_size=2)
+    scored, _ = trainer._dynamic_sampling(0, trainer.sample_step(0))
+    batch = scored.batch
+    assert batch.vision is not None and batch.vision.batch_size == batch.batch_size
+    assert batch.vision["pixel_values", "length"].tolist() == [16] * batch.batch_size[0]
+    from torchforge.trainer.trainer import _cat_padded  # the rounds' batches as one
+
+    joined = _cat_padded([batch[:2], batch[2:]], 0)
+    assert all(torch.equal(joined.vision[k, "data"], batch.vision[k, "data"]) for k in batch.vision.keys())
+    from torchforge.loop import policy_log_probs
+
+    with torch.no_grad():
+        whole, _ = policy_log_probs(trainer.model, batch)
+        for b in range(batch.batch_size[0]):
+            torch.testing.assert_close(policy_log_probs(trainer.model, batch[b:b + 1])[0] * batch.mask[b:b + 1],
+                                       whole[b:b + 1] * batch.mask[b:b + 1], atol=1e-5, rtol=1e-5)
+    trainer.train()
