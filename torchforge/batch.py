@@ -45,6 +45,9 @@ class Batch:
         truncated: [B] bool, True where generation hit the length limit.
         policy_version: [B] int64, the version of the weights that sampled each sequence
             (the optimizer step after which the generation engine got them).
+        vision: a ``TensorDict`` [B] of each row's vision inputs for a vision-language
+            model (``pixel_values``, ``image_grid_thw``, ...: ``vision[key]["data"]`` [B, N, ...]
+            zero-padded, ``vision[key]["length"]`` [B]; :mod:`torchforge.loop.vision`), or None.
         batch_size: ``[B]``.
 
     Returns:
@@ -74,6 +77,7 @@ class Batch:
     prompt_mask: Optional[torch.Tensor] = None
     truncated: Optional[torch.Tensor] = None
     policy_version: Optional[torch.Tensor] = None
+    vision: Optional[TensorDictBase] = None
 
 
 # A tensorclass indexes along its batch dimensions only; DESIGN.md also promises

@@ -238,7 +238,9 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], *, seeds: Sequence[int],
-                 settings: SamplingSettings) -> list[Completion]:
+                 settings: SamplingSettings, vision: Sequence[Any] | None = None) -> list[Completion]:
+        """``vision``: per request a :class:`torchforge.loop.vision.VisionInputs` (its
+        processed tensors go to ``generate``) or None, for a vision-language model."""
         check_requests("HFEngine.generate", prompt_token_ids, seeds)
         if not prompt_token_ids:
             return []
@@ -254,12 +256,18 @@ class HFEngine:
             eos_token_id=list(settings.stop_token_ids), pad_token_id=pad_id, repetition_penalty=1.0,
             no_repeat_ngram_size=0, min_new_tokens=0,
         )
+        extra = {}
+        if vision is not None and any(v is not None for v in vision):  # a VLM's images (torchforge.loop.vision)
+            from torchforge.loop.vision import stack_vision, token_type_inputs, vision_model_inputs
+
+            extra = {k: v.to(device) for k, v in vision_model_inputs(stack_vision(vision)).items()}
+            extra.update(token_type_inputs(inner, prompt_tokens.to(device), prompt_tokens.shape[1]))
         was_training = inner.training
         inner.eval()
         try:
             out = inner.generate(
                 input_ids=prompt_tokens.to(device), attention_mask=prompt_mask.long().to(device),
-                generation_config=config, logits_processor=[sampler], **generation_kwargs(inner),
+                generation_config=config, logits_processor=[sampler], **generation_kwargs(inner), **extra,
             )
         finally:
             inner.train(was_training)

@@ -23,6 +23,7 @@ from torchforge.errors import ShapeError, TorchforgeError, reraise_as, shape_str
 from torchforge.kl import approx_kl
 from torchforge.log_probs import chunk_rows, fused_token_log_probs, row_chunks
 from torchforge.loop.packing import check_packable, pack_sequences
+from torchforge.loop.vision import placeholder_ids, token_type_inputs, uses_mrope, vision_model_inputs
 from torchforge.reduce import masked_mean
 
 # --- the head's logit transform ----------------------------------------------------------
@@ -268,7 +269,9 @@ def policy_log_probs(
     Args:
         model: a Hugging Face causal LM (``get_decoder()`` / ``get_output_embeddings()``),
             plain, DDP or FSDP2.
-        batch: a Batch with ``prompt_tokens``, ``prompt_mask``, ``tokens`` [B, T].
+        batch: a Batch with ``prompt_tokens``, ``prompt_mask``, ``tokens`` [B, T]; for a
+            vision-language model also ``vision`` (:mod:`torchforge.loop.vision`), whose
+            inputs go to the forward (Qwen2-VL's 3D positions are then the model's own).
         temperature: the sampling temperature (the training distribution must be the
             sampling one).
         return_entropy: also return the per-token entropy (with grad when grad is enabled,
@@ -310,6 +313,13 @@ def policy_log_probs(
         )
     logit_scale, softcap = head_transform(inner)  # checked against the model's own logits once
     packing = None
+    vision = batch.get("vision") if "vision" in batch.keys() else None
+    if packed and vision is not None:
+        raise TorchforgeError(
+            f"policy_log_probs: packed=True with a batch of images ({type(inner).__name__}): vision-language models "
+            "are not packed (their image positions and vision inputs do not pack exactly); expected packed=False "
+            "(RLConfig(padding_free=False))"
+        )
     if packed:
         check_packable(model, fn="policy_log_probs")
         packing = pack_sequences(batch)
@@ -317,6 +327,13 @@ def policy_log_probs(
         input_ids, attention_mask, position_ids = packing.input_ids, None, packing.position_ids
     else:
         input_ids, attention_mask, position_ids = _model_inputs(batch)
+        placeholders = placeholder_ids(inner)
+        if placeholders:  # a sampled image placeholder ended its completion: a plain token in its place
+            P0 = batch.prompt_tokens.shape[1]
+            sampled = torch.isin(input_ids[:, P0:], torch.tensor(placeholders, device=input_ids.device))
+            input_ids = torch.cat([input_ids[:, :P0], input_ids[:, P0:].masked_fill(sampled, 0)], dim=1)
+        if vision is not None and uses_mrope(inner):  # 3D positions: the model's own, from the image grids
+            position_ids = None
     P = batch.prompt_tokens.shape[1]
     captured: dict[str, torch.Tensor] = {}
 
@@ -358,9 +375,19 @@ def policy_log_probs(
                 inner.register_forward_hook(fused_head, prepend=True, with_kwargs=True)):
         log_probs, entropy = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            logits_to_keep=1, use_cache=False,
+            logits_to_keep=1, use_cache=False, **_vision_kwargs(inner, vision, input_ids, P),
         )
     return log_probs, entropy
+
+
+def _vision_kwargs(inner: nn.Module, vision: Any, input_ids: torch.Tensor, P: int) -> dict[str, torch.Tensor]:
+    """The vision inputs of a batch with images (:mod:`torchforge.loop.vision`), as the model's forward
+    takes them; {} for a text batch."""
+    kwargs = vision_model_inputs(vision)
+    if not kwargs:
+        return {}
+    device = input_ids.device
+    return {**{k: v.to(device) for k, v in kwargs.items()}, **token_type_inputs(inner, input_ids, P)}
 
 
 # --- the canary: the sampler's log-probs against the trainer's ---------------------------

@@ -27,7 +27,8 @@ def completion_stop_ids(tokenizer: Any, model: nn.Module | None = None, extra: S
     Args:
         tokenizer: a Hugging Face tokenizer.
         model: the model, whose ``generation_config.eos_token_id`` (an int or a list, as
-            chat models set it) is added when present.
+            chat models set it) is added when present, and a vision-language model's image
+            placeholder ids (:func:`torchforge.loop.vision.placeholder_ids`).
         extra: more stop ids.
 
     Returns:
@@ -39,6 +40,10 @@ def completion_stop_ids(tokenizer: Any, model: nn.Module | None = None, extra: S
     config = getattr(unwrap_model(model), "generation_config", None) if model is not None else None
     eos = getattr(config, "eos_token_id", None)
     ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    if model is not None and ids:  # a VLM's image placeholders end a completion (torchforge.loop.vision)
+        from torchforge.loop.vision import placeholder_ids
+
+        ids.update(placeholder_ids(unwrap_model(model)))
     if not ids:
         raise InvalidArgumentError(
             "stop_token_ids: the tokenizer has no eos_token_id and no stop_token_ids were given; "
@@ -89,6 +94,8 @@ def rollout(
     seed: int | None = None,
     prompt_ids: Sequence[int] | None = None,
     engine: GenerationEngine | None = None,
+    images: Sequence[Sequence[Any]] | None = None,
+    processor: Any = None,
 ) -> Batch:
     """Sample ``num_generations`` completions of each prompt with a generation engine.
 
@@ -120,13 +127,19 @@ def rollout(
             the same samples wherever it sits (another rank, another batch).
         engine: a :class:`~torchforge.loop.engines.GenerationEngine`; default
             ``HFEngine(model)``.
+        images: N lists of PIL images, one per prompt ([] for a prompt without), for a
+            vision-language model: the prompts (strings, their image placeholders rendered
+            by the processor's chat template) go through ``processor``, which expands the
+            image tokens; the engine samples with the images (``generate(..., vision=...)``).
+        processor: the model's processor, with ``images``.
 
     Returns:
         A ``Batch`` of B rows: ``tokens`` [B, T] (T <= max_new_tokens), ``mask`` [B, T],
         ``prompt_tokens`` [B, P], ``prompt_mask`` [B, P], ``truncated`` [B] (no stop token
         within max_new_tokens), ``rollout_log_probs`` [B, T] (log-probs of the drawn
         tokens under the sampling distribution, float32, 0 off the mask) and
-        ``policy_version`` [B] int64 (the engine's weights version of each completion).
+        ``policy_version`` [B] int64 (the engine's weights version of each completion);
+        with images also ``vision`` (:func:`torchforge.loop.vision.stack_vision`).
 
     Example:
         >>> from torchforge.loop.tiny_model import char_tokenizer, tiny_llama
@@ -152,7 +165,15 @@ def rollout(
         raise InvalidArgumentError(str(error).replace("SamplingSettings:", f"{fn}:", 1)) from None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
 
-    if isinstance(prompts[0], str):
+    vision = None
+    if images is not None and any(len(i) for i in images):
+        from torchforge.loop.vision import encode_vision_prompts
+
+        if processor is None or not isinstance(prompts[0], str):
+            raise InvalidArgumentError(f"{fn}: images were given without a processor or with token-id prompts; "
+                                       "expected rendered string prompts and the model's processor")
+        encoded, vision = encode_vision_prompts(processor, list(prompts), list(images))
+    elif isinstance(prompts[0], str):
         add_special = getattr(tokenizer, "chat_template", None) is None
         encoded = tokenizer(list(prompts), add_special_tokens=add_special)["input_ids"]
     else:
@@ -167,12 +188,25 @@ def rollout(
     G = num_generations
     requests = [prompt for prompt in encoded for _ in range(G)]  # the G samples of a prompt, contiguous
     engine = engine if engine is not None else HFEngine(model, pad_token_id=pad_id)
-    completions = engine.generate(requests, seeds=request_seeds(seed, ids, G), settings=settings)
+    if vision is None:
+        completions = engine.generate(requests, seeds=request_seeds(seed, ids, G), settings=settings)
+    else:
+        import inspect
+
+        if "vision" not in inspect.signature(engine.generate).parameters:
+            raise InvalidArgumentError(f"{fn}: the prompts have images but {type(engine).__name__}.generate takes no "
+                                       "vision=; expected an engine that samples from images (HFEngine, VLLMEngine)")
+        vision = [v for v in vision for _ in range(G)]
+        completions = engine.generate(requests, seeds=request_seeds(seed, ids, G), settings=settings, vision=vision)
     if len(completions) != len(requests):
         raise InvalidArgumentError(f"{fn}: {type(engine).__name__}.generate returned {len(completions)} "
                                    f"completions for {len(requests)} requests; expected one each")
-    return completions_batch(completions, requests, pad_id=pad_id,
-                             device=next(inner.parameters()).device if inner is not None else None)
+    batch = completions_batch(completions, requests, pad_id=pad_id)
+    if vision is not None:
+        from torchforge.loop.vision import stack_vision
+
+        batch.vision = stack_vision(vision)
+    return batch.to(next(inner.parameters()).device) if inner is not None else batch
 
 
 def completions_batch(completions: Sequence[Completion], prompt_token_ids: Sequence[Sequence[int]], *,

@@ -149,6 +149,7 @@ class _Run:
     reward_functions: list[Any] = dataclasses.field(default_factory=list)
     distributed: Any = None  # DistributedConfig or None
     environment: Any = None  # a multi-turn environment class or None
+    vision: bool = False  # the model is a vision-language model (loaded with its processor)
 
 
 def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
@@ -219,9 +220,15 @@ def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
             raise InvalidArgumentError(f"reward_functions={rewards!r}; expected a list of dotted import paths")
         dataset = run_values.get("dataset")
         dataset = None if dataset is None and brings_rows else dataset_source("dataset", dataset)
-        run = _Run(config=config, model=_check_model(run_values["model"]), dataset=dataset,
+        model = _check_model(run_values["model"])
+        from torchforge.trainer.vision_task import check_vision_run
+
+        # images: every image file exists, the model takes images and has its processor (before it loads)
+        vision = check_vision_run(model, dataset[0] if dataset else None, config, has_environment=environment is not None)
+        run = _Run(config=config, model=model, dataset=dataset,
                    eval_rows=_eval_rows(run_values.get("eval_dataset"), config, demo=False),
-                   reward_functions=reward_functions_from_settings(rewards), distributed=dist, environment=environment)
+                   reward_functions=reward_functions_from_settings(rewards), distributed=dist, environment=environment,
+                   vision=vision)
     if run.config.prompts_per_step % num_processes:
         raise InvalidArgumentError(
             f"prompts_per_step={run.config.prompts_per_step} does not split over {num_processes} processes; "
@@ -284,16 +291,28 @@ def build_trainer(values: dict[str, Any] | _Run):
     reward_functions = run.reward_functions
     # None: the environment's rows
     train_dataset = read_dataset(run.dataset[0], split=run.dataset[1]) if run.dataset is not None else None
+    processor = None
     try:
-        model = AutoModelForCausalLM.from_pretrained(run.model)
-        tokenizer = AutoTokenizer.from_pretrained(run.model)
+        if run.vision:  # a vision-language model and its processor (torchforge.trainer.vision_task)
+            from transformers import AutoModelForImageTextToText
+
+            from torchforge.loop.vision import load_processor
+            from torchforge.trainer.vision_task import resolve_image_paths
+
+            model = AutoModelForImageTextToText.from_pretrained(run.model)
+            processor = load_processor(run.model)
+            tokenizer = processor.tokenizer
+            train_dataset = resolve_image_paths(train_dataset, Path(run.dataset[0]).expanduser().parent)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(run.model)
+            tokenizer = AutoTokenizer.from_pretrained(run.model)
     except OSError as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise InvalidArgumentError(f"model {run.model!r} could not be loaded: {first}") from error
     return RLTrainer(
         model=model, tokenizer=tokenizer, config=run.config, reward_functions=reward_functions,
         train_dataset=train_dataset, eval_dataset=run.eval_rows, distributed_config=run.distributed,
-        environment_factory=run.environment,
+        environment_factory=run.environment, processor=processor,
     )
 
 

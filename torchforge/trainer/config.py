@@ -66,6 +66,10 @@ class RLConfig:
             equal the padded forward's. A model that cannot be packed (state-space or
             recurrent layers, an attention that ignores position ids) is refused when the
             trainer starts. TRL's ``padding_free``, verl's ``use_remove_padding``.
+            Vision-language models are refused (their image inputs do not pack exactly).
+        train_vision_tower: for a vision-language model, train its vision tower and
+            projector too (full weights, or LoRA adapters with ``lora``); False (the
+            default) freezes them and trains the language model only.
         num_iterations: optimizer steps (passes) per sampled batch, as TRL's; > 1 makes
             the later passes off-policy, handled by the clipped ratio.
         temperature, top_p, top_k: sampling; the training log-probs use the same temperature.
@@ -247,6 +251,7 @@ class RLConfig:
     micro_batch_size: int | None = None
     micro_batch_tokens: int | None = None
     padding_free: bool = False
+    train_vision_tower: bool = False
     num_iterations: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -400,6 +405,8 @@ class RLConfig:
             positive_int(name, optional=True)
         if not isinstance(self.padding_free, bool):
             raise bad("padding_free", "True or False")
+        if not isinstance(self.train_vision_tower, bool):
+            raise bad("train_vision_tower", "True or False")
         in_range("learning_rate", 0, float("inf"), open_low=True, finite=True)
         in_range("kl_coef", 0, float("inf"), finite=True)
         in_range("temperature", 0, float("inf"), open_low=True, finite=True)

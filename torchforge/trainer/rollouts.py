@@ -128,26 +128,42 @@ class RolloutStrategy:
         return {key: [row[key] for row in rows for _ in range(G)] for key in rows[0] if key != "prompt"}
 
 
+@dataclass
 class SingleTurnRollout(RolloutStrategy):
     """G completions of each row's prompt, scored by the reward functions (the default).
 
     A prompt is a string, or chat messages rendered with the tokenizer's chat template;
     ``batch.rewards`` is the weighted sum of the reward functions (``RLConfig.reward_weights``,
-    else each function's ``weight``). Made as :class:`RolloutStrategy` is.
+    else each function's ``weight``). Made as :class:`RolloutStrategy` is, and with
+    ``processor`` for a vision-language model: each row's images (``images``, and the
+    ``{"type": "image"}`` parts of its chat prompt) go through the processor, the batch
+    carries their vision inputs, and the reward functions get the PIL images as ``images``
+    (:mod:`torchforge.trainer.vision_task`).
     """
+
+    processor: Any = None
 
     def __call__(self, rows: list[dict[str, Any]], ids: list[int], engine: GenerationEngine) -> ScoredBatch:
         cfg, G = self.config, self.config.num_generations
-        prompts = [render_prompt(self.tokenizer, row["prompt"]) for row in rows]
+        images, columns = None, self._columns(rows)
+        if self.processor is not None:
+            from torchforge.trainer.vision_task import row_prompt_and_images
+
+            rendered = [row_prompt_and_images(self.processor, row, f"dataset row {i}") for row, i in zip(rows, ids)]
+            prompts, images = [p for p, _ in rendered], [im for _, im in rendered]
+            columns["images"] = [im for im in images for _ in range(G)]  # the reward functions see PIL images
+            columns.pop("image", None)
+        else:
+            prompts = [render_prompt(self.tokenizer, row["prompt"]) for row in rows]
         with self.autocast():
             batch = rollout(self.model, self.tokenizer, prompts, num_generations=G,
                             max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
                             top_p=cfg.top_p, top_k=cfg.top_k, stop_token_ids=self.stop_ids,
-                            seed=cfg.seed, prompt_ids=ids, engine=engine)
+                            seed=cfg.seed, prompt_ids=ids, engine=engine, images=images, processor=self.processor)
         completions, completion_ids = decode_completions(self.tokenizer, batch)
         rewards, per_function = score_rewards(
             self.reward_functions, prompts=[p for p in prompts for _ in range(G)], completions=completions,
-            completion_ids=completion_ids, columns=self._columns(rows), weights=cfg.reward_weights,
+            completion_ids=completion_ids, columns=columns, weights=cfg.reward_weights,
         )
         batch.rewards = rewards.to(self.device)
         return ScoredBatch(batch, per_function, rows)

@@ -73,9 +73,11 @@ from torchforge.loop import (
 from torchforge.loop.rewards import GuardedReward, close_rewards, guard_rewards, reward_keys
 from torchforge.loop.engines import HFEngine, make_engine
 from torchforge.loop.metrics import StepMetrics
+from torchforge.loop.vision import cat_vision
 from torchforge.reduce import Aggregation, masked_mean, masked_var
 from torchforge.trainer.episodes import EpisodeRollout
 from torchforge.trainer.evaluation import check_eval_rows, evaluate_dataset
+from torchforge.trainer.vision_task import freeze_vision_tower, lora_without_vision_tower, vision_task
 from torchforge.trainer.algorithms import Algorithm, StepContext, algorithm_from_name
 from torchforge.trainer.async_generation import AsyncGenerator
 from torchforge.trainer.config import RLConfig
@@ -162,6 +164,7 @@ def _cat_padded(batches: list[Batch], pad_id: int) -> Batch:
             values = [torch.nn.functional.pad(v, (width - v.shape[1], 0) if left else (0, width - v.shape[1]),
                                               value=fill) for v in values]
         fields[key] = torch.cat(values)
+    fields["vision"] = cat_vision([b.get("vision") for b in batches], [b.batch_size[0] for b in batches])
     return Batch(**fields, batch_size=[sum(b.batch_size[0] for b in batches)])
 
 
@@ -197,6 +200,10 @@ class RLTrainer:
             A factory with a ``train_dataset`` (a verifiers environment,
             :mod:`torchforge.loop.verifiers_env`) gives the rows when ``train_dataset`` is None;
             OpenEnv servers: :mod:`torchforge.loop.openenv`.
+        processor: a vision-language model's processor (``AutoProcessor``; it may also be
+            passed as ``tokenizer``): rows with ``images`` and ``{"type": "image"}`` chat
+            parts, the vision tower frozen unless ``config.train_vision_tower``
+            (:mod:`torchforge.trainer.vision_task`).
 
     Returns:
         The trainer; :meth:`train` runs it.
@@ -221,6 +228,7 @@ class RLTrainer:
         eval_dataset: Any = None,
         peft_config: Any = None,
         environment_factory: Callable[[], Any] | None = None,
+        processor: Any = None,
     ) -> None:
         self.config = _checked_config(config)
         self.output_dir = Path(self.config.output_dir)
@@ -243,7 +251,7 @@ class RLTrainer:
         self.environment_factory = environment_factory
         init_distributed()
         self.device = _device()
-        model = self._build_task(model, tokenizer, reward_functions, train_dataset)
+        model = self._build_task(model, tokenizer, reward_functions, train_dataset, processor)
         self._build_parallelism(distributed_config)
         self.algorithm = self._build_algorithm(algorithm)
         self._build_models(model)
@@ -270,7 +278,7 @@ class RLTrainer:
 
     # --- building ------------------------------------------------------------------------------
 
-    def _build_task(self, model, tokenizer, reward_functions, train_dataset) -> nn.Module:
+    def _build_task(self, model, tokenizer, reward_functions, train_dataset, processor=None) -> nn.Module:
         """Check the model, tokenizer, rewards and data (the embedded demo when no model); keep them."""
         fn, config = "RLTrainer", self.config
         if train_dataset is None:  # an environment that brings its rows (a verifiers environment's dataset)
@@ -286,6 +294,10 @@ class RLTrainer:
             if reward_functions is None:
                 reward_functions = [] if self.environment_factory is not None else [demo.CopyDigitsReward()]
             train_dataset = train_dataset if train_dataset is not None else demo.copy_digits_dataset(4096, seed=config.seed)
+        # a vision-language model: its processor (given, or as the tokenizer), images checked
+        tokenizer, self.vision = vision_task(model, tokenizer, processor, train_dataset, config,
+                                             has_environment=self.environment_factory is not None,
+                                             has_eval=self.eval_dataset is not None)
         if tokenizer is None:
             raise InvalidArgumentError(f"{fn}: tokenizer is None; expected the model's tokenizer")
         if not reward_functions and self.environment_factory is None:
@@ -357,6 +369,10 @@ class RLTrainer:
         self._generation_model = None
         if self.config.async_generation and self.config.engine == "hf":
             self._generation_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if self.vision and not self.config.train_vision_tower:  # a VLM: the language model trains, the vision tower not
+            freeze_vision_tower(model)
+            if self.peft_config is not None:
+                self.peft_config = lora_without_vision_tower(model, self.peft_config)
         if self.peft_config is not None:  # LoRA: only the adapters train
             model = apply_lora(model, self.peft_config, seed=self.config.seed)
         self.ref_model = None
@@ -411,7 +427,7 @@ class RLTrainer:
                      reward_functions=self.reward_functions, autocast=self._autocast_context, device=self.device)
         if self.environment_factory is not None:
             return EpisodeRollout(**parts, environment_factory=self.environment_factory)
-        return SingleTurnRollout(**parts)
+        return SingleTurnRollout(**parts, processor=self.vision.processor)
 
     def close_engine(self) -> None:
         """Stop the generation engine (a vLLM engine, or a vLLM server this trainer started),
@@ -940,9 +956,9 @@ class RLTrainer:
         if last_saved is None or self.step != int(last_saved.name.split("-")[1]):
             last_saved = self.save(self.step)
         final = self.output_dir / "final"
-        export_pretrained(self.model, self.tokenizer, final)
+        export_pretrained(self.model, self.vision.processor or self.tokenizer, final)  # a VLM: its processor too
         if (cfg.lora or {}).get("merge") and self.peft_config is not None:
-            export_merged(self.model, self.tokenizer, self.output_dir / "final-merged")
+            export_merged(self.model, self.vision.processor or self.tokenizer, self.output_dir / "final-merged")
         summary: dict[str, Any] = {"steps": self.step, "metrics": self.output_dir / "metrics.jsonl",
                                    "checkpoint": last_saved, "final_model": final, "plot": None}
         rewards = [h["reward"] for h in self.history if not math.isnan(h["reward"])]
