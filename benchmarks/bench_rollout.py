@@ -169,6 +169,52 @@ def whole_step(steps: int, device: torch.device) -> list[str]:
     return lines
 
 
+def weight_sync(models, repeats, device) -> list[str]:
+    """``update_weights`` with a model's full weights per engine against the memory floor: one
+    batched ``torch._foreach_copy_`` of the same tensors into preallocated ones."""
+    from torchforge.loop.process_engine import HFProcessEngine
+
+    lines = ["| model | weights MiB | variant | sync ms (median) | x floor |", "| --- | ---: | --- | ---: | ---: |"]
+    for name in models:
+        model, tokenizer = build_model(name, device)
+        weights = [t for _, t in full_weights(model)]
+        size = sum(t.numel() * t.element_size() for t in weights)
+        copies = [torch.empty_like(t) for t in weights]
+        own = [t for _, t in full_weights(build_model(name, device)[0])]
+
+        def per_tensor_copy():  # the previous HFEngine.update_weights: a name map per call, one copy_ each
+            mapping = dict(zip([n for n, _ in full_weights(model)], own))
+            for key, tensor in full_weights(model):
+                mapping[key].copy_(tensor)
+
+        variants = {"floor (one batched copy)": lambda: torch._foreach_copy_(copies, weights),
+                    "per-tensor copy (before)": per_tensor_copy}
+        copy_engine = HFEngine(build_model(name, device)[0])
+        variants["hf copy (HFEngine.update_weights)"] = lambda: copy_engine.update_weights(full_weights(model), version=1)
+        engines = []
+        if device.type == "cpu":
+            engines.append(HFProcessEngine(model, threads=1))
+            variants["hf-process"] = lambda: engines[0].update_weights(full_weights(model), version=1)
+        if HAS_VLLM:
+            from torchforge.loop.vllm_engine import VLLMEngine
+
+            engines.append(VLLMEngine.from_model(model, tokenizer, dtype="float32", max_model_len=128))
+            variants["vllm (in process)"] = lambda: engines[-1].update_weights(full_weights(model), version=1)
+        runs = {key: [] for key in variants}
+        for _ in range(repeats):
+            for key, fn in variants.items():
+                runs[key].append(timed(fn, device)[0])
+        floor = statistics.median(runs["floor (one batched copy)"])
+        for key, values in runs.items():
+            ms = statistics.median(values)
+            lines.append(f"| {name} | {size / 2**20:.1f} | {key} | {ms * 1e3:.2f} | {ms / floor:.1f}x |")
+            print(lines[-1], flush=True)
+        for engine in engines:
+            engine.close()
+        gc.collect()
+    return lines
+
+
 PHASES = ["sampling (engine.generate)", "rollout, besides generate", "scoring (reward functions)",
           "log-prob recomputation (ref / old, no grad)", "update (forward, loss, backward, AdamW)", "metrics",
           "weight sync", "other"]
@@ -233,7 +279,7 @@ def step_profile(steps: int, device: torch.device, engines: list[str]) -> list[s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: the tiny model, 16 tokens, 1 repeat, 2 steps")
-    parser.add_argument("--part", default="gen,step", help="gen, step or both")
+    parser.add_argument("--part", default="gen,step", help="comma-separated: gen, sync, step")
     parser.add_argument("--models", default="tiny,100m")
     parser.add_argument("--new-tokens", default="64", help="comma-separated completion lengths, e.g. 64,256")
     parser.add_argument("--repeats", type=int, default=3)
@@ -273,6 +319,19 @@ def main() -> None:
     parts = args.part.split(",")
     if "gen" in parts:
         sections.append("## Generation\n\n" + "\n".join(generation(models, new_tokens, repeats, 32, 8, device)) + "\n")
+    if "sync" in parts:  # its own page: benchmarks/results/weight_sync.md
+        text = (f"# weight_sync\n\nMachine: {machine}; torch {torch.__version__}; threads {torch.get_num_threads()}. "
+                "`update_weights` with a model's full weights, each variant in turn, median of "
+                f"{max(repeats, 5)} (`python benchmarks/bench_rollout.py --part sync`).\n\n"
+                + "\n".join(weight_sync(models, max(repeats, 5), device))
+                + "\n\nFloor: one `torch._foreach_copy_` of the model's tensors into preallocated ones (the "
+                "bytes a sync must move, once). vLLM's CPU build repacks every linear layer's weight for its "
+                "GEMM kernel (oneDNN) after loading, so its sync allocates and reorders each time.\n")
+        if not args.quick:
+            (HERE / "results" / "weight_sync.md").write_text(text)
+        parts = [p for p in parts if p != "sync"]
+        if not parts:
+            return
     if "step" in parts:
         sections.append(f"## One GRPO step of RLTrainer on the demo (16 prompts x 8, 4 tokens), median of {steps}\n\n"
                         + "\n".join(whole_step(steps, device)) + "\n")
