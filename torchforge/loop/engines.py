@@ -189,12 +189,10 @@ def check_requests(fn: str, prompt_token_ids: Sequence[Sequence[int]], seeds: Se
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-id lists as one left-padded [N, P] int64 tensor and its [N, P] bool mask."""
     width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(sequences), width, dtype=torch.bool)
-    for row, seq in enumerate(sequences):
-        ids[row, width - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
-        mask[row, width - len(seq):] = True
-    return ids, mask
+    # padded as Python lists, then one tensor: a tensor per row costs ~10 us each
+    ids = torch.tensor([[pad_id] * (width - len(seq)) + list(seq) for seq in sequences], dtype=torch.long)
+    starts = torch.tensor([width - len(seq) for seq in sequences], dtype=torch.long)
+    return ids, torch.arange(width)[None, :] >= starts[:, None]
 
 
 _COPY_BATCH_BYTES = 2**28  # HFEngine.update_weights copies in batches of about this many bytes
