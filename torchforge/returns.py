@@ -156,8 +156,10 @@ def _compaction(mask: torch.Tensor):
     width = -(-T // K) * K
     if _right_padded(mask):  # nothing moves
         return None, width, K
-    # mask ? count - 1 : width + 1: one int64 cumsum of the bools and one in-place fill
-    dest = torch.cumsum(mask, -1, dtype=torch.int64).sub_(1).masked_fill_(~mask, width + 1)
+    # mask ? count - 1 : width + 1, in int32 arithmetic (bool cumsum / masked_fill are slow on CPU)
+    m = mask.to(torch.int32)
+    count = torch.cumsum(m, -1, dtype=torch.int32)
+    dest = ((count - (width + 2)) * m + (width + 1)).long()
     return dest, width, K
 
 
