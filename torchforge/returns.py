@@ -497,5 +497,5 @@ def gae(
     v_ext = _compact(values, dest, width, mask)
     v_c, v_next = v_ext[:, :width], v_ext[:, 1:width + 1]  # V[t_{n+1}] = 0: column width is 0
     delta = torch.add(r_c - v_c, v_next, alpha=float(gamma))  # 0 after the last counted token
-    adv = _expand(_reverse_discounted_cumsum(delta, float(gamma) * float(lam), K), dest, mask)
-    return adv, torch.where(mask, adv + values, 0.0)  # returns: A + V at the counted tokens
+    adv_c = _reverse_discounted_cumsum(delta, float(gamma) * float(lam), K)
+    return _expand(adv_c, dest, mask), _expand(adv_c + v_c, dest, mask)
