@@ -464,6 +464,11 @@ FIGURES: list[Figure] = [
     Figure("rollout", "vLLM in process, 106M Llama: weight sync", ("Generation",),
            lambda s: s.num("weight sync (s)", model="100m", variant="vllm"), "{:.3f} s",
            lambda s: "vLLM server: {:.3f} s".format(s.num("weight sync (s)", model="100m", variant="vllm server"))),
+    Figure("rollout_profile", "demo GRPO step, vLLM in process: sampling time", (),
+           lambda s: s.num("`vllm` ms", phase="sampling (engine.generate)")
+           / s.num("`hf` ms", phase="sampling (engine.generate)"), "{:.1f}x",
+           lambda s: "the `hf` engine's (weight sync {:.1f} ms of a {:.0f} ms step)".format(
+               s.num("`vllm` ms", phase="weight sync"), s.num("`vllm` ms", phase="total"))),
     Figure("weight_sync", "`hf-process` weight sync, 106M Llama (404 MiB)", (),
            lambda s: s.num("x floor", model="100m", variant="hf-process"), "{:.2f}x the time",
            "one batched memory copy of the weights"),
