@@ -18,6 +18,10 @@ group_advantages peers, B = 65536:
 
 Variants are interleaved (A B C A B C ...) and medians reported; the machine may be shared.
 Usage: python benchmarks/bench_advantages.py [--quick] [--threads N] [--no-compile] [--before FILE [FILE ...]]
+       [--verl-site /work/venv-peers/lib/python3.11/site-packages]
+
+The ``floor`` section times gae at B=512, T=4096 against a plain copy of its arrays (the
+memory floor) and verl's own function (``--verl-site``; else the loop above).
 
 --before times the current functions against an earlier version, copied from git: the single
 advantages.py of before the split (``git show <commit>:torchforge/advantages.py``), or, for a
@@ -32,6 +36,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections import defaultdict
 
@@ -275,6 +280,54 @@ def bench_gae(args, lines):
         )
         print(lines[-1], flush=True)
     lines.append("")
+
+
+def verl_gae():
+    """verl's own ``compute_gae_advantage_return`` (with its masked whitening), when verl imports
+    (``--verl-site`` adds a site-packages folder, e.g. /work/venv-peers/lib/python3.11/site-packages,
+    at the end of sys.path); else None."""
+    try:
+        from verl.trainer.ppo.core_algos import compute_gae_advantage_return
+    except Exception:  # verl absent, or its dependencies
+        return None
+    return compute_gae_advantage_return
+
+
+def bench_floor(args, lines):
+    """gae at B=512, T=4096 against the memory floor (a plain copy of its arrays) and verl."""
+    gamma, lam, B, T = 1.0, 0.95, 512, 4096
+    verl = verl_gae()
+    peer = "verl `compute_gae_advantage_return`" if verl is not None else "loop (verl's, re-implemented)"
+    lines += [
+        f"### gae at B={B}, T={T} against the memory floor and {peer}",
+        "",
+        "| mask | torchforge ms | copy floor ms | ours / floor | peer ms | peer / ours | max rel err |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    g = torch.Generator().manual_seed(7)
+    rewards, values = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
+    right = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+    masks = {"right padding": right, "right padding + ~10% tool tokens": right & (torch.rand(B, T, generator=g) > 0.1)}
+    for name, mask in masks.items():
+        m = mask.float()
+        fns = {
+            "ours": lambda: gae(rewards, values, mask, gamma=gamma, lam=lam),
+            # the floor: read rewards, values and mask once and write as many bytes (two float32 outputs)
+            "floor": lambda: (rewards.clone(), values.clone(), mask.clone()),
+            "peer": (lambda: verl(rewards, values, m, gamma, lam)) if verl is not None
+            else (lambda: loop_gae(rewards, values, mask, gamma, lam)),
+        }
+        slow = 3 if args.quick else 7
+        med = interleaved(fns, {"ours": 5 if args.quick else 21, "floor": 5 if args.quick else 21, "peer": slow})
+        adv, ret = fns["ours"]()
+        ref_adv = torch.where(mask, loop_gae(rewards, values, mask, gamma, lam)[0], 0.0)
+        err = (adv - ref_adv).abs().max().item() / ret.abs().max().item()
+        lines.append(f"| {name} | {fmt_ms(med['ours'])} | {fmt_ms(med['floor'])} | {med['ours'] / med['floor']:.1f}x "
+                     f"| {fmt_ms(med['peer'])} | {med['peer'] / med['ours']:.1f}x | {err:.1e} |")
+        print(lines[-1], flush=True)
+    lines += ["", "Copy floor: `clone()` of rewards, values (float32) and mask (bool), the bytes gae must read and "
+              "about those it writes, once. verl's function also whitens the advantages (its own API).", ""]
 
 
 def bench_group(args, lines):
@@ -548,7 +601,8 @@ def main():
     parser.add_argument("--before", default=None, nargs="+", metavar="FILE",
                         help="an earlier advantages.py (e.g. copied from git) to time against; after the "
                              "split, that commit's advantages.py and returns.py")
-    parser.add_argument("--only", default=None, help="comma-separated sections: gae,group,new,ids,before")
+    parser.add_argument("--only", default=None, help="comma-separated sections: gae,floor,group,new,ids,before")
+    parser.add_argument("--verl-site", default=None, help="a site-packages folder with verl, appended to sys.path")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -558,7 +612,9 @@ def main():
     lines = ["## Advantages (`benchmarks/bench_advantages.py`)", "", f"Machine: {machine()}.", ""]
     if args.quick:
         lines += ["(--quick run: few repeats)", ""]
-    sections = {"gae": bench_gae, "group": bench_group, "new": bench_new, "ids": bench_group_ids}
+    if args.verl_site:
+        sys.path.append(args.verl_site)
+    sections = {"gae": bench_gae, "floor": bench_floor, "group": bench_group, "new": bench_new, "ids": bench_group_ids}
     if args.before:
         sections["before"] = bench_before_after
     for name, bench in sections.items():

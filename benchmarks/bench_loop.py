@@ -417,26 +417,28 @@ def paired_ratio(times: list[float], base: list[float], block: int) -> float:
 # --- where the time goes (--profile) -------------------------------------------------------
 
 class _Phases:
-    """Accumulates process CPU time per phase by wrapping functions (restored on exit)."""
+    """Accumulates process CPU time per phase by wrapping functions (restored on exit); ``clock``
+    another timer (``time.perf_counter``: wall time, for work in other processes)."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.process_time):
+        self.clock = clock
         self.acc: dict[str, float] = {}
         self.active: set[str] = set()
         self._undo: list[tuple[Any, str, Any]] = []
 
     def wrap(self, owner, attr, label):
         original = getattr(owner, attr)
-        acc, active = self.acc, self.active
+        acc, active, clock = self.acc, self.active, self.clock
 
         def timed(*a, **k):
             if label in active:  # nested in a call of the same phase (counted there)
                 return original(*a, **k)
             active.add(label)
-            start = time.process_time()
+            start = clock()
             try:
                 return original(*a, **k)
             finally:
-                acc[label] = acc.get(label, 0.0) + time.process_time() - start
+                acc[label] = acc.get(label, 0.0) + clock() - start
                 active.discard(label)
 
         self._undo.append((owner, attr, owner.__dict__.get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING))

@@ -26,8 +26,12 @@ vLLM's CPU build needs its own environment (it pins transformers < 5.20): see th
 Engines section. Without vLLM the vLLM rows are skipped. On a GPU machine with vLLM's CUDA
 build, ``python benchmarks/bench_rollout.py`` runs the same on CUDA (``gpu_rollout.sh``).
 
+``--profile`` instead times the phases of the step (sampling, the rest of the rollout,
+scoring, log-prob recomputation, the update, metrics, weight sync, other) per engine and
+writes benchmarks/results/rollout_profile.md.
+
 Usage: python benchmarks/bench_rollout.py [--quick] [--part gen,step] [--models tiny,100m]
-       [--new-tokens 64] [--repeats 3] [--steps 5]
+       [--new-tokens 64] [--repeats 3] [--steps 5] [--profile [--engines hf,vllm]]
 """
 
 from __future__ import annotations
@@ -165,15 +169,128 @@ def whole_step(steps: int, device: torch.device) -> list[str]:
     return lines
 
 
+def weight_sync(models, repeats, device) -> list[str]:
+    """``update_weights`` with a model's full weights per engine against the memory floor: one
+    batched ``torch._foreach_copy_`` of the same tensors into preallocated ones."""
+    from torchforge.loop.process_engine import HFProcessEngine
+
+    lines = ["| model | weights MiB | variant | sync ms (median) | x floor |", "| --- | ---: | --- | ---: | ---: |"]
+    for name in models:
+        model, tokenizer = build_model(name, device)
+        weights = [t for _, t in full_weights(model)]
+        size = sum(t.numel() * t.element_size() for t in weights)
+        copies = [torch.empty_like(t) for t in weights]
+        own = [t for _, t in full_weights(build_model(name, device)[0])]
+
+        def per_tensor_copy():  # the previous HFEngine.update_weights: a name map per call, one copy_ each
+            mapping = dict(zip([n for n, _ in full_weights(model)], own))
+            for key, tensor in full_weights(model):
+                mapping[key].copy_(tensor)
+
+        variants = {"floor (one batched copy)": lambda: torch._foreach_copy_(copies, weights),
+                    "per-tensor copy (before)": per_tensor_copy}
+        copy_engine = HFEngine(build_model(name, device)[0])
+        variants["hf copy (HFEngine.update_weights)"] = lambda: copy_engine.update_weights(full_weights(model), version=1)
+        engines = []
+        if device.type == "cpu":
+            engines.append(HFProcessEngine(model, threads=1))
+            variants["hf-process"] = lambda: engines[0].update_weights(full_weights(model), version=1)
+        if HAS_VLLM:
+            from torchforge.loop.vllm_engine import VLLMEngine
+
+            engines.append(VLLMEngine.from_model(model, tokenizer, dtype="float32", max_model_len=128))
+            variants["vllm (in process)"] = lambda: engines[-1].update_weights(full_weights(model), version=1)
+        runs = {key: [] for key in variants}
+        for _ in range(repeats):
+            for key, fn in variants.items():
+                runs[key].append(timed(fn, device)[0])
+        floor = statistics.median(runs["floor (one batched copy)"])
+        for key, values in runs.items():
+            ms = statistics.median(values)
+            lines.append(f"| {name} | {size / 2**20:.1f} | {key} | {ms * 1e3:.2f} | {ms / floor:.1f}x |")
+            print(lines[-1], flush=True)
+        for engine in engines:
+            engine.close()
+        gc.collect()
+    return lines
+
+
+PHASES = ["sampling (engine.generate)", "rollout, besides generate", "scoring (reward functions)",
+          "log-prob recomputation (ref / old, no grad)", "update (forward, loss, backward, AdamW)", "metrics",
+          "weight sync", "other"]
+
+
+def step_profile(steps: int, device: torch.device, engines: list[str]) -> list[str]:
+    """Median wall ms per step and phase of ``RLTrainer.train_step`` on the demo, per engine."""
+    import torchforge.trainer.rollouts as strategy
+    import torchforge.trainer.trainer as trainer_module
+    from bench_loop import _Phases
+    from torchforge import RLTrainer
+    from torchforge.loop import engines as engines_module
+    from torchforge.loop.process_engine import HFProcessEngine
+    from torchforge.trainer.demo import CopyDigitsReward, char_tokenizer, copy_digits_dataset, demo_config, tiny_llama
+
+    per: dict[str, dict[str, list[float]]] = {}
+    for engine in engines:
+        with tempfile.TemporaryDirectory() as out:
+            config = demo_config(engine=engine, output_dir=out, progress_bar=False, save_steps=None,
+                                 engine_args={"dtype": "float32"} if engine.startswith("vllm") else None)
+            tokenizer = char_tokenizer()
+            trainer = RLTrainer(model=tiny_llama(tokenizer, num_heads=2, seed=0), tokenizer=tokenizer, config=config,
+                                reward_functions=[CopyDigitsReward()], train_dataset=copy_digits_dataset(4096))
+            for step in range(2):
+                trainer.train_step(step)
+            rows = per.setdefault(engine, {})
+            with _Phases(clock=time.perf_counter) as ph:  # wall time: some engines generate in another process
+                generators = [engines_module.HFEngine, HFProcessEngine]
+                if HAS_VLLM:
+                    from torchforge.loop.vllm_engine import VLLMEngine, VLLMServerEngine
+                    generators += [VLLMEngine, VLLMServerEngine]
+                for cls in generators:
+                    ph.wrap(cls, "generate", PHASES[0])
+                ph.wrap(strategy, "rollout", "rollout")
+                ph.wrap(strategy, "score_rewards", PHASES[2])
+                ph.wrap(trainer_module.RLTrainer, "_reference_log_probs", PHASES[3])
+                ph.wrap(trainer_module.RLTrainer, "_update", PHASES[4])
+                ph.wrap(trainer_module.RLTrainer, "_metrics", PHASES[5])
+                ph.wrap(trainer_module.RLTrainer, "_sync_engine", PHASES[6])
+                ph.wrap(trainer_module.RLTrainer, "_publish_weights", PHASES[6])
+                for step in range(2, steps + 2):
+                    ph.acc.clear()
+                    start = time.perf_counter()
+                    trainer.train_step(step)
+                    total = time.perf_counter() - start
+                    acc = dict(ph.acc)
+                    acc[PHASES[1]] = acc.pop("rollout", 0.0) - acc.get(PHASES[0], 0.0)
+                    acc["other"] = total - sum(acc.get(p, 0.0) for p in PHASES[:-1])
+                    acc["total"] = total
+                    for label in [*PHASES, "total"]:
+                        rows.setdefault(label, []).append(acc.get(label, 0.0))
+            trainer.close_engine()
+    lines = ["| phase | " + " | ".join(f"`{e}` ms" for e in engines) + " |",
+             "| --- |" + " ---: |" * len(engines)]
+    for label in [*PHASES, "total"]:
+        cells = [f"{1e3 * statistics.median(per[e][label]):.1f}" for e in engines]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: the tiny model, 16 tokens, 1 repeat, 2 steps")
-    parser.add_argument("--part", default="gen,step", help="gen, step or both")
+    parser.add_argument("--part", default="gen,step", help="comma-separated: gen, sync, step")
     parser.add_argument("--models", default="tiny,100m")
     parser.add_argument("--new-tokens", default="64", help="comma-separated completion lengths, e.g. 64,256")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="only the step's phases (wall ms per step: sampling, rollout, scoring, recomputed "
+                             "log-probs, update, metrics, weight sync, other) per engine; writes "
+                             "benchmarks/results/rollout_profile.md")
+    parser.add_argument("--engines", default=None, help="with --profile: comma-separated engines "
+                        "(default hf, hf-process and, with vLLM, vllm, vllm-server)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -186,9 +303,35 @@ def main() -> None:
     sections = [f"# rollout\n\nMachine: {machine}; torch {torch.__version__}; vLLM "
                 f"{'present' if HAS_VLLM else 'absent (its rows are skipped)'}. 32 prompts x 8 samples, prompts of 16 "
                 "tokens, temperature 1, completions to the limit, float32.\n"]
+    if args.profile:
+        engines = args.engines.split(",") if args.engines else ["hf", "hf-process", *(["vllm", "vllm-server"] if HAS_VLLM else [])]
+        text = (f"# rollout_profile\n\nMachine: {machine}; torch {torch.__version__}; threads {torch.get_num_threads()}. "
+                f"Where the time of one GRPO step of RLTrainer on the demo goes (16 prompts x 8, 4 tokens, the 2-head "
+                f"demo Llama), per engine: median wall ms over {steps} steps after 2 warm-up steps "
+                "(`python benchmarks/bench_rollout.py --profile`).\n\n" + "\n".join(step_profile(steps, device, engines))
+                + "\n\nPhases are timed by wrapping `engine.generate`, the single-turn `rollout` (less its generate), "
+                "`score_rewards`, `RLTrainer._reference_log_probs`, `._update`, `._metrics` and `._sync_engine`; "
+                "other: what the step spends outside them (advantages, batch moves, the step's bookkeeping).\n")
+        print(text)
+        if not args.quick:
+            (HERE / "results" / "rollout_profile.md").write_text(text)
+        return
     parts = args.part.split(",")
     if "gen" in parts:
         sections.append("## Generation\n\n" + "\n".join(generation(models, new_tokens, repeats, 32, 8, device)) + "\n")
+    if "sync" in parts:  # its own page: benchmarks/results/weight_sync.md
+        text = (f"# weight_sync\n\nMachine: {machine}; torch {torch.__version__}; threads {torch.get_num_threads()}. "
+                "`update_weights` with a model's full weights, each variant in turn, median of "
+                f"{max(repeats, 5)} (`python benchmarks/bench_rollout.py --part sync`).\n\n"
+                + "\n".join(weight_sync(models, max(repeats, 5), device))
+                + "\n\nFloor: one `torch._foreach_copy_` of the model's tensors into preallocated ones (the "
+                "bytes a sync must move, once). vLLM's CPU build repacks every linear layer's weight for its "
+                "GEMM kernel (oneDNN) after loading, so its sync allocates and reorders each time.\n")
+        if not args.quick:
+            (HERE / "results" / "weight_sync.md").write_text(text)
+        parts = [p for p in parts if p != "sync"]
+        if not parts:
+            return
     if "step" in parts:
         sections.append(f"## One GRPO step of RLTrainer on the demo (16 prompts x 8, 4 tokens), median of {steps}\n\n"
                         + "\n".join(whole_step(steps, device)) + "\n")

@@ -85,6 +85,16 @@ BENCHMARKS = {
                 "a GRPO step on a ~100M-parameter Llama, padded against padding-free (packed sequences): "
                 "time, tokens / s, peak memory, over length spreads",
                 "python benchmarks/bench_packing.py"),
+    "rollout_profile": ("bench_rollout.py --profile",
+                        "where the time of one `RLTrainer` GRPO step on the demo goes, per engine: sampling, "
+                        "scoring, recomputed log-probs, the update, metrics, weight sync, other",
+                        "python benchmarks/bench_rollout.py --profile --threads 1 --steps 8  "
+                        "# in the vLLM environment for the vLLM columns"),
+    "weight_sync": ("bench_rollout.py --part sync",
+                    "`update_weights` with a model's full weights per engine against the memory floor "
+                    "(one batched copy of the same bytes)",
+                    "python benchmarks/bench_rollout.py --part sync --threads 1 --repeats 7  "
+                    "# in the vLLM environment for the vLLM rows"),
     "rollout": ("bench_rollout.py",
                 "generation engines side by side (HF `generate`, seeded or plain, vLLM in process or as a "
                 "server): tokens / s and weight-sync time; one GRPO step of `RLTrainer` with each",
@@ -347,6 +357,12 @@ FIGURES: list[Figure] = [
              lambda s, c=column: s.num(c, B="512", T="1024"), "{:.1f}x faster", peer)
       for column, peer in (("loop / ours", "verl's loop"), ("TorchRL loop / ours", "TorchRL's loop"),
                            ("TorchRL vec / ours", "TorchRL's vectorized form"))),
+    Figure("advantages", "`gae` B=512, T=4096, with tool tokens", ("gae at B=512",),
+           lambda s: s.num("peer / ours", mask="right padding + ~10% tool tokens"), "{:.1f}x faster",
+           lambda s: "verl (ours / memory floor: {:.1f}x; right-padded: {:.1f}x verl, {:.1f}x the floor)".format(
+               s.num("ours / floor", mask="right padding + ~10% tool tokens"),
+               s.num("peer / ours", mask="right padding"), s.num("ours / floor", mask="right padding")),
+           (">=", 10.0, ">= 10x")),
     Figure("advantages", "`group_advantages` B=65536, G=8", ("group_advantages",),
            lambda s: s.num("TRL / ours", G="8"), "{:.1f}x faster", "TRL's"),
     Figure("advantages", "GDPO: `group_advantages` on [B, 3] rewards, B=4096, G=8, time", ("New estimators",),
@@ -448,6 +464,17 @@ FIGURES: list[Figure] = [
     Figure("rollout", "vLLM in process, 106M Llama: weight sync", ("Generation",),
            lambda s: s.num("weight sync (s)", model="100m", variant="vllm"), "{:.3f} s",
            lambda s: "vLLM server: {:.3f} s".format(s.num("weight sync (s)", model="100m", variant="vllm server"))),
+    Figure("rollout_profile", "demo GRPO step, vLLM in process: sampling time", (),
+           lambda s: s.num("`vllm` ms", phase="sampling (engine.generate)")
+           / s.num("`hf` ms", phase="sampling (engine.generate)"), "{:.1f}x",
+           lambda s: "the `hf` engine's (weight sync {:.1f} ms of a {:.0f} ms step)".format(
+               s.num("`vllm` ms", phase="weight sync"), s.num("`vllm` ms", phase="total"))),
+    Figure("weight_sync", "`hf-process` weight sync, 106M Llama (404 MiB)", (),
+           lambda s: s.num("x floor", model="100m", variant="hf-process"), "{:.2f}x the time",
+           "one batched memory copy of the weights"),
+    Figure("weight_sync", "vLLM in process (CPU build) weight sync, 106M Llama", (),
+           lambda s: s.num("x floor", model="100m", variant="vllm (in process)"), "{:.1f}x the time",
+           "one batched memory copy of the weights"),
     Figure("rollout", "`RLTrainer` GRPO step on the demo with vLLM in process: time", ("One GRPO step",),
            lambda s: s.num("step time vs hf", engine="vllm"), "{:.2f}x the time", "the `hf` engine",
            ("<", 1.0, "< 1.0x")),

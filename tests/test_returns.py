@@ -129,6 +129,42 @@ def test_gae_ignores_masked_positions(B, T, seed):
     assert torch.equal(adv[~mask], torch.zeros_like(adv[~mask]))
 
 
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 5), T=st.integers(0, 70), seed=st.integers(0, 2**16), holes=st.booleans())
+def test_right_padded_check_reads_the_mask_as_defined(B, T, seed, holes):
+    # the int64-word check against its definition: no masked token before a counted one
+    import torchforge.returns as returns
+
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.arange(T)[None, :] < torch.randint(0, T + 1, (B, 1), generator=g)
+    if holes:
+        mask = mask ^ (torch.rand(B, T, generator=g) < 0.05)
+    defined = T > 0 and T % 8 == 0 and not bool((mask[:, 1:] & ~mask[:, :-1]).any())
+    assert returns._right_padded(mask) == defined
+
+
+@pytest.mark.parametrize("T", [8, 64, 1000, 4096])
+def test_gae_on_right_padded_rows_equals_the_compacted_path_bitwise(T, monkeypatch):
+    # right-padded rows skip the compaction; forcing it gives the very same floats
+    import torchforge.returns as returns
+
+    g = torch.Generator().manual_seed(T)
+    rewards, values = torch.randn(6, T, generator=g), torch.randn(6, T, generator=g)
+    mask = torch.arange(T)[None, :] < torch.tensor([[0], [1], [T // 3], [T // 2], [T - 1], [T]])
+    assert returns._right_padded(mask)
+    fast = [gae(rewards, values, mask, gamma=0.99, lam=0.95), gae(rewards[:, -1], values, mask, gamma=1.0, lam=1.0),
+            discounted_returns(rewards, mask, gamma=0.9)]
+    monkeypatch.setattr(returns, "_right_padded", lambda mask: False)
+    slow = [gae(rewards, values, mask, gamma=0.99, lam=0.95), gae(rewards[:, -1], values, mask, gamma=1.0, lam=1.0),
+            discounted_returns(rewards, mask, gamma=0.9)]
+    for a, b in zip(fast, slow):
+        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert torch.equal(x, y)
+    adv_ref, ret_ref = gae_ref(rewards, values, mask, 0.99, 0.95)
+    _close(fast[0][0], adv_ref)
+    _close(fast[0][1], ret_ref)
+
+
 def test_gae_masked_equals_sliced():
     # A row with gaps equals the same row with the masked tokens cut out.
     rewards, values, mask = _random_tokens(1, 50, seed=3, p_keep=0.6)

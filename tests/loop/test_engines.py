@@ -257,3 +257,45 @@ def test_the_trainer_samples_through_a_process_engine(tmp_path, asynchronous):
             assert h["engine/weights_version"] == h["step"] and h["rollout/log_prob_gap"] < 1e-5
         else:
             assert 0 <= h["async/staleness"] <= 1
+
+
+def test_a_lora_sync_sends_the_changing_modules_and_the_engine_ends_equal(tmp_path):
+    # LoRA on q_proj / v_proj: each sync sends only the attention modules (q, k, v, o: siblings
+    # an engine may pack together), and the engine's copy ends bitwise equal to the merged weights
+    pytest.importorskip("peft")
+    from torchforge.trainer.lora import merged_weights
+
+    trainer = _trainer(tmp_path, "lora", lora={"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]})
+    copy_ = tiny_llama(char_tokenizer(), seed=1)
+    copy_.load_state_dict(dict(merged_weights(trainer.model)))
+    trainer.engine = HFEngine(copy_)
+    sent = []
+    update = trainer.engine.update_weights
+
+    def recording(weights, *, version):
+        weights = list(weights)
+        sent.append(sorted(name for name, _ in weights))
+        update(weights, version=version)
+
+    trainer.engine.update_weights = recording
+    trainer.train()
+    everything = dict(merged_weights(trainer.model))
+    layers = copy_.config.num_hidden_layers
+    attention = sorted(f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(layers) for p in "qkvo")
+    assert sent == [attention] * 5
+    assert len(attention) < len(everything)
+    for name, tensor in copy_.state_dict().items():
+        assert torch.equal(tensor, everything[name]), name
+    assert max(h["rollout/log_prob_gap"] for h in trainer.history) < 1e-5
+
+
+def test_the_sync_is_skipped_when_the_engine_holds_the_version(tmp_path):
+    trainer = _trainer(tmp_path, "skip")
+    trainer.engine = HFEngine(copy.deepcopy(trainer.model))
+    calls = []
+    trainer.engine.update_weights = lambda weights, *, version: calls.append(version)
+    trainer.engine.weights_version = 3
+    assert trainer._sync_engine(3) == 0.0 and calls == []
+    trainer._sync_engine(4)
+    trainer._sync_engine(3, everything=True)  # after a checkpoint: always, whatever the version
+    assert calls == [4, 3]

@@ -59,7 +59,10 @@ class HFProcessEngine:
         weights: the ``(name, tensor)`` pairs to start from (default the model's full
             weights; a LoRA model's merged ones).
         pad_token_id: as :class:`HFEngine`'s.
-        threads: torch's CPU threads in the worker (None: torch's default there).
+        threads: torch's CPU threads in the worker (None: this process's
+            ``torch.get_num_threads()`` when the engine starts, as a thread would inherit; a
+            spawned process would otherwise take every core, and a busy machine stalls
+            OpenMP's barriers: 48x slower sampling on the demo on 2 loaded cores).
         timeout: seconds one ``generate`` may take before the worker counts as hung.
 
     Returns:
@@ -90,6 +93,8 @@ class HFProcessEngine:
         self._weights = HFEngine(copy_)
         self._weights.update_weights(weights, version=0)
         copy_.share_memory()
+        if threads is None:
+            threads = torch.get_num_threads()
         self.timeout = timeout
         self.weights_version = 0
         context = torch.multiprocessing.get_context("spawn")

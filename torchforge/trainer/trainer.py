@@ -54,8 +54,10 @@ from torchforge.distributed import (
     shard,
     sum_over_ranks,
     sync_weights,
+    unwrap_model,
     world_size,
 )
+from torchforge.distributed.weight_sync import _clean_name
 from torchforge.entropy_selection import entropy_threshold
 from torchforge.errors import InvalidArgumentError, TorchforgeError
 from torchforge.kl import adaptive_kl_coef
@@ -144,6 +146,23 @@ def _enable_gradient_checkpointing(model: nn.Module) -> None:
     else:
         raise InvalidArgumentError(f"RLTrainer: gradient_checkpointing=True but {type(model).__name__} cannot "
                                    "enable it; expected a Hugging Face model, or gradient_checkpointing=False")
+
+
+def _changing_weight_names(model: nn.Module) -> frozenset[str]:
+    """The engine-side names (Hugging Face, as :func:`full_weights` / :func:`merged_weights`
+    yield them) of the weights training changes: each trainable parameter's, and with LoRA
+    each adapted layer's merged weight; then every weight of the same parent module, since an
+    engine may pack siblings into one tensor (vLLM's ``qkv_proj`` and ``gate_up_proj``) and
+    needs them all to rebuild it. The rest stays as the engine loaded it."""
+    changing = set()
+    for name, parameter in unwrap_model(model).named_parameters():
+        plain = _clean_name(name).removeprefix("base_model.model.")  # as full_weights names it
+        if ".lora_" in plain:
+            changing.add(plain.split(".lora_")[0] + ".weight")  # the merged W0 + scaling * B @ A
+        elif parameter.requires_grad:
+            changing.add(plain.replace(".base_layer.", "."))
+    parents = {name.rsplit(".", 2)[0] for name in changing}
+    return frozenset(parents)
 
 
 def _cat_padded(batches: list[Batch], pad_id: int) -> Batch:
@@ -263,6 +282,7 @@ class RLTrainer:
         self.history: list[dict[str, float]] = []
         self._order_cache: tuple[int, torch.Tensor] | None = None
         self._generator: AsyncGenerator | None = None
+        self._changing_parents: frozenset[str] | None = None  # see _changing_weight_names
         self._sampling_lock = threading.Lock()  # async: the generator's sampling, or an evaluation
 
     def _check_new_run(self) -> None:
@@ -445,23 +465,35 @@ class RLTrainer:
         if callable(close):
             close()
 
-    def _engine_weights(self):
+    def _engine_weights(self, changed_only: bool = False):
         """What the engine loads: the policy's full weights, or with LoRA the adapters merged in
-        (every engine takes plain weights; vLLM's own LoRA path would also need enable_lora)."""
-        return merged_weights(self.model) if self.peft_config is not None else full_weights(self.model)
+        (every engine takes plain weights; vLLM's own LoRA path would also need enable_lora).
+        ``changed_only``: only the weights of modules that training changes (every process
+        still walks all of them: under FSDP each gather is a collective)."""
+        weights = merged_weights(self.model) if self.peft_config is not None else full_weights(self.model)
+        if not changed_only:
+            return weights
+        if self._changing_parents is None:
+            self._changing_parents = _changing_weight_names(self.model)
+        parents = self._changing_parents
+        return ((name, tensor) for name, tensor in weights if name.rsplit(".", 2)[0] in parents)
 
     def _engine_is_policy(self) -> bool:
         """True when the engine samples with the trained model itself (the default "hf")."""
         return isinstance(self.engine, HFEngine) and self.engine.model is self.model
 
-    def _sync_engine(self, version: int) -> float:
+    def _sync_engine(self, version: int, *, everything: bool = False) -> float:
         """Give the engine the weights trained for ``version`` steps; returns the seconds it took.
-        The default engine samples with the policy itself, so only its version moves."""
+        The default engine samples with the policy itself, so only its version moves. Others get
+        the weights training changes (``everything``: all of them, as after loading a checkpoint),
+        nothing when they hold ``version`` already."""
         if self._engine_is_policy():
             self.engine.update_weights((), version=version)
             return 0.0
+        if self.engine.weights_version == version and not everything:  # it holds these weights already
+            return 0.0
         start = time.perf_counter()
-        self.engine.update_weights(self._engine_weights(), version=version)
+        self.engine.update_weights(self._engine_weights(changed_only=not everything), version=version)
         return time.perf_counter() - start
 
     # --- data ---------------------------------------------------------------------------------
@@ -580,7 +612,7 @@ class RLTrainer:
         """Hand the generator the weights of ``version`` (gathered here, a collective under FSDP;
         copied, since training goes on in place); returns the seconds it took."""
         start = time.perf_counter()
-        weights = [(name, tensor.detach().clone()) for name, tensor in self._engine_weights()]
+        weights = [(name, tensor.detach().clone()) for name, tensor in self._engine_weights(changed_only=True)]
         self._generator.publish(version, weights)
         return time.perf_counter() - start
 
@@ -927,7 +959,7 @@ class RLTrainer:
             (self.output_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         start = self.step = self.resume() if cfg.resume else 0
         if start and (self._engine_is_policy() or cfg.engine_sync_steps):
-            self._sync_engine(start)  # the engine samples with the checkpoint's weights
+            self._sync_engine(start, everything=True)  # the engine samples with the checkpoint's weights
         logger = MetricsLogger(self.output_dir, total_steps=self.total_steps, initial_step=start,
                                enabled=is_main_process(), progress_bar=cfg.progress_bar, report_to=cfg.report_to,
                                run_config=cfg.to_dict(), run_name=cfg.run_name)
