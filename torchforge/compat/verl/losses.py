@@ -1000,6 +1000,12 @@ def compute_value_loss(
         ``(vf_loss, vf_clipfrac)``: float32 scalar tensors (the fraction of counted tokens
         where the clipped term is the larger).
 
+    Note:
+        :func:`~torchforge.value_losses.value_loss` is given the errors ``vpreds - returns``
+        and ``values - returns`` (and returns 0), formed in the inputs' dtype: in float64,
+        returns near 1e4 keep their precision, which a cast to float32 first would round
+        to 1e-3 (the native primitive forms the same errors after its cast).
+
     Example:
         >>> import torch
         >>> vpreds = torch.tensor([[1.0, 0.5]]); values = torch.tensor([[0.0, 0.5]])
@@ -1011,7 +1017,12 @@ def compute_value_loss(
     mask = _response_mask(fn, response_mask, vpreds, "vpreds")
     agg = _aggregation(fn, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
     with reraise_as(fn):
-        vf_loss, m = value_loss(vpreds, values, returns, mask, clip=cliprange_value, aggregation=agg)
+        check_same_shape(fn, "returns", returns, "vpreds", vpreds)
+        check_same_shape(fn, "values", values, "vpreds", vpreds)
+        # The loss depends on the errors only: formed in the inputs' precision, then float32.
+        returns = returns.detach()
+        vf_loss, m = value_loss(vpreds - returns, values.detach() - returns, torch.zeros_like(returns), mask,
+                                clip=cliprange_value, aggregation=agg)
     return vf_loss, m["clip_frac"]
 
 
