@@ -414,6 +414,23 @@ def passk_advantages_ref(rewards, group_size, k, scale, eps):
     return torch.tensor(out, dtype=torch.float64)
 
 
+def best_minus_second_advantages_ref(rewards, group_ids, scale, eps):
+    """Best-minus-second (arXiv 2503.19595) group by group: the unique best finite reward gets
+    (r_max - r_second) / (std + eps) with the unbiased std of the group's finite rewards."""
+    flat, ids = [float(r) for r in rewards], [int(i) for i in group_ids]
+    out = [0.0] * len(flat)
+    for g in set(ids):
+        rows = [i for i in range(len(flat)) if ids[i] == g and math.isfinite(flat[i])]
+        values = sorted((flat[i] for i in rows), reverse=True)
+        if len(values) < 2 or values[0] == values[1]:
+            continue
+        mean = sum(values) / len(values)
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+        best = next(i for i in rows if flat[i] == values[0])
+        out[best] = (values[0] - values[1]) / ((std + eps) if scale == "group" else 1.0)
+    return torch.tensor(out, dtype=torch.float64)
+
+
 def opo_advantages_ref(rewards, lengths, group_size):
     """OPO: r minus the length-weighted mean reward of the group (finite rewards only)."""
     flat, lens = [float(r) for r in rewards], [int(x) for x in lengths]

@@ -11,6 +11,7 @@ from tensordict import TensorDict
 
 from tests._losses_common import _check_compiled, _close, _random_tokens
 from tests.reference import (
+    best_minus_second_advantages_ref,
     gdpo_advantages_ref,
     group_advantages_ref,
     opo_advantages_ref,
@@ -19,6 +20,7 @@ from tests.reference import (
     zero_std_groups_ref,
 )
 from torchforge.advantages import (
+    best_minus_second_advantages,
     group_advantages,
     opo_advantages,
     passk_advantages,
@@ -541,6 +543,81 @@ def test_empty_batches_and_float64_ties():
     r = torch.tensor([0.1 + 0.2, 0.3, 1.0, 1.0], dtype=torch.float64)
     assert zero_std_groups(r, group_size=2).tolist() == [False, False, True, True]
     torch.testing.assert_close(group_advantages(r, group_size=2, eps=0.0), torch.tensor([0.7071068, -0.7071068, 0.0, 0.0]))
+
+
+# --- best_minus_second_advantages -----------------------------------------------------------
+
+def test_best_minus_second_hand_derived():
+    # group 1: r_max = 1, r_second = 0.5: margin 0.5 at row 0; group 2: the maximum 3 is shared: 0
+    r = torch.tensor([1.0, 0.5, 0.0, 0.2, 3.0, 3.0, 1.0, 0.0])
+    adv = best_minus_second_advantages(r, group_size=4, scale="none")
+    assert adv.tolist() == [0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    # scale="group": std of [1, 0.5, 0, 0.2] = sqrt(0.5675 / 3); 0.5 / (std + eps)
+    std = math.sqrt(((0.575**2) + 0.075**2 + 0.425**2 + 0.225**2) / 3)
+    adv = best_minus_second_advantages(r, group_size=4, eps=1e-6)
+    torch.testing.assert_close(adv, torch.tensor([0.5 / (std + 1e-6), 0, 0, 0, 0, 0, 0, 0]))
+    # NaN is no reward: [NaN, 2, 1] -> 2 - 1 at row 1; one finite reward -> 0; all NaN -> 0
+    adv = best_minus_second_advantages(torch.tensor([NAN, 2.0, 1.0, NAN, 4.0, NAN, NAN]),
+                                       group_ids=torch.tensor([0, 0, 0, 1, 1, 2, 2]), scale="none")
+    assert adv.tolist() == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 7), min_size=1, max_size=5), seed=st.integers(0, 2**16),
+       scale=st.sampled_from(["group", "none"]), nan=st.booleans(), permute=st.booleans())
+def test_best_minus_second_matches_reference(sizes, seed, scale, nan, permute):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    r = torch.randint(0, 4, (ids.numel(),), generator=g).float() / 2  # ties are common
+    if nan:
+        r[torch.rand(ids.numel(), generator=g) < 0.2] = NAN
+    if permute:
+        perm = torch.randperm(ids.numel(), generator=g)
+        r, ids = r[perm], ids[perm]
+    adv = best_minus_second_advantages(r, group_ids=ids, scale=scale)
+    _close(adv, best_minus_second_advantages_ref(r, ids, scale, 1e-6))
+    if len(set(sizes)) == 1 and not permute:  # contiguous groups: the same values
+        _close(best_minus_second_advantages(r, group_size=sizes[0], scale=scale), adv.double(), rel=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(G=st.integers(2, 8), groups=st.integers(1, 4), seed=st.integers(0, 2**16),
+       offset=st.sampled_from([0.0, 1e4, -1e4]))
+def test_best_minus_second_properties(G, groups, seed, offset):
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(groups * G, generator=g, dtype=torch.float64)
+    adv = best_minus_second_advantages(r, group_size=G, scale="none").view(groups, G)
+    # at most one non-zero per group, at its argmax, equal to the top-2 margin; never negative
+    top2 = r.view(groups, G).topk(2, dim=1).values
+    assert (adv >= 0).all() and (torch.count_nonzero(adv, dim=1) <= 1).all()
+    torch.testing.assert_close(adv.amax(1).double(), top2[:, 0] - top2[:, 1], rtol=1e-6, atol=1e-7)
+    assert (adv.argmax(1) == r.view(groups, G).argmax(1)).all()
+    # an offset of 1e4 on every reward (float64 in) changes nothing; scale="group" divides by std + eps
+    shifted = best_minus_second_advantages(r + offset, group_size=G, scale="none").view(groups, G)
+    torch.testing.assert_close(shifted, adv, rtol=1e-6, atol=1e-7)
+    scaled = best_minus_second_advantages(r + offset, group_size=G).view(groups, G)
+    torch.testing.assert_close(scaled.double(), adv.double() / (r.view(groups, G).std(1, keepdim=True) + 1e-6),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_best_minus_second_empty_and_bad_inputs():
+    assert best_minus_second_advantages(torch.zeros(0), group_size=4).shape == (0,)
+    assert best_minus_second_advantages(torch.zeros(0), group_ids=torch.zeros(0, dtype=torch.long)).shape == (0,)
+    assert best_minus_second_advantages(torch.tensor([5.0]), group_size=1).tolist() == [0.0]  # G = 1: no runner-up
+    # a tie at float64 precision stays a tie: 0.1 + 0.2 > 0.3, so the group [0.1 + 0.2, 0.3] is not tied
+    r = torch.tensor([0.1 + 0.2, 0.3, 0.3, 0.3], dtype=torch.float64)
+    assert best_minus_second_advantages(r, group_size=2, scale="none")[2:].tolist() == [0.0, 0.0]
+    assert best_minus_second_advantages(r, group_size=2, scale="none")[0] > 0
+    with pytest.raises(ShapeError, match=r"best_minus_second_advantages: rewards has shape \(2, 1\); expected 1"):
+        best_minus_second_advantages(torch.ones(2, 1), group_size=2)
+    with pytest.raises(InvalidArgumentError, match="best_minus_second_advantages: scale is 'batch'"):
+        best_minus_second_advantages(torch.ones(2), group_size=2, scale="batch")
+    with pytest.raises(InvalidArgumentError, match="best_minus_second_advantages: pass exactly one of group_size"):
+        best_minus_second_advantages(torch.ones(2))
+    with pytest.raises(ShapeError, match="best_minus_second_advantages: rewards has shape \\(3,\\), not a multiple"):
+        best_minus_second_advantages(torch.ones(3), group_size=2)
+    with pytest.raises(InvalidArgumentError, match="best_minus_second_advantages: eps"):
+        best_minus_second_advantages(torch.ones(2), group_size=2, eps=-1.0)
 
 
 # --- zero-std groups (DAPO dynamic sampling) ------------------------------------------------

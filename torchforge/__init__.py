@@ -9,6 +9,7 @@ import importlib
 
 from torchforge.advantages import (
     GROUP_SCALES,
+    best_minus_second_advantages,
     group_advantages,
     opo_advantages,
     passk_advantages,
@@ -204,6 +205,7 @@ __all__ = [
     "group_advantages",
     "rloo_advantages",
     "passk_advantages",
+    "best_minus_second_advantages",
     "opo_advantages",
     "remax_advantages",
     "discounted_returns",

@@ -1,5 +1,5 @@
 """Group-relative advantage estimators: group-normalized (GRPO, Dr. GRPO, GDPO),
-leave-one-out (RLOO), Pass@k training and OPO, with the one test of a group whose rewards
+leave-one-out (RLOO), Pass@k training (analytical, and best-minus-second) and OPO, with the one test of a group whose rewards
 are all equal (``zero_std_groups``, DAPO's dynamic-sampling filter).
 
 Conventions shared by every function here:
@@ -24,7 +24,7 @@ References:
     GRPO (DeepSeekMath), https://arxiv.org/abs/2402.03300; Dr. GRPO,
     https://arxiv.org/abs/2503.20783; GDPO, https://arxiv.org/abs/2601.05242; RLOO,
     https://arxiv.org/abs/2402.14740; Pass@k training, https://arxiv.org/abs/2508.10751;
-    OPO, https://arxiv.org/abs/2505.23585; DAPO, https://arxiv.org/abs/2503.14476
+    inference-time objectives (best-minus-second), https://arxiv.org/abs/2503.19595; OPO, https://arxiv.org/abs/2505.23585; DAPO, https://arxiv.org/abs/2503.14476
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from torchforge.reduce import masked_var, pooled_var
 
 __all__ = [
     "GROUP_SCALES",
+    "best_minus_second_advantages",
     "group_advantages",
     "opo_advantages",
     "passk_advantages",
@@ -482,6 +483,79 @@ def passk_advantages(
         factor = defined.double()
     advantages = groups.flat(torch.where(correct, groups.expand(a_pos * factor), groups.expand(a_neg * factor)))
     return torch.where(valid, advantages, 0.0).float() + 0.0
+
+
+@batch_args
+def best_minus_second_advantages(
+    rewards: torch.Tensor,
+    *,
+    group_size: int | None = None,
+    group_ids: torch.Tensor | None = None,
+    scale: str = "group",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Pass@k advantages by best-minus-second: only each group's best sample gets a signal.
+
+    For the objective ``E[max_i r_i]`` over the k = G samples of a prompt (pass@k for binary
+    rewards), the leave-one-out baseline of the maximum gives every sample but the best
+    advantage 0, and the best one its margin over the runner-up. With ``r_max`` and
+    ``r_second`` the largest and second-largest finite rewards of the group (``r_second
+    = r_max`` when the maximum is shared) and ``std_g`` the unbiased standard deviation of
+    its finite rewards:
+
+    ``A_best = (r_max - r_second) / (std_g + eps)`` (``scale="none"``: ``r_max - r_second``),
+    ``A_i = 0`` for every other sample.
+
+    Args:
+        rewards: [B] float sequence rewards (any real values); NaN = no reward.
+        group_size: G samples per prompt, contiguous.
+        group_ids: [B] integer group id of each row (any order, any sizes), instead of
+            ``group_size``.
+        scale: ``"group"`` (divide by ``std_g + eps``, as GRPO) or ``"none"``.
+        eps: added to ``std_g`` (>= 0).
+
+    Returns:
+        [B] float32 advantages, non-zero only at the best finite reward of a group whose
+        maximum is unique; 0 for NaN rewards, for groups with fewer than two finite
+        rewards and for groups whose maximum is shared (a tie has margin 0, exactly).
+
+    Note:
+        The margin is formed in the input's precision before the cast (``r - max_g r``),
+        so an offset of 1e4 added to every reward changes no advantage. verl's
+        ``compute_grpo_passk_outcome_advantage`` computes the same thing with a loop over
+        groups and ``torch.topk``; it raises for a group of one sample and gives NaN to a
+        group with a NaN reward (``torchforge.compat.verl`` reproduces that). For binary
+        rewards with the exact Pass@k expectation over k-subsets, see
+        :func:`passk_advantages`.
+
+    Example:
+        >>> import torch
+        >>> r = torch.tensor([1.0, 0.5, 0.0, 0.2, 3.0, 3.0, 1.0, 0.0])
+        >>> best_minus_second_advantages(r, group_size=4, scale="none")  # 1 - 0.5; a tie: 0
+        tensor([0.5000, 0.0000, 0.0000, 0.0000, 0.0000, 0.0000, 0.0000, 0.0000])
+        >>> best_minus_second_advantages(r[:4], group_size=4, eps=0.0)   # 0.5 / std(r)
+        tensor([1.1496, 0.0000, 0.0000, 0.0000])
+
+    References:
+        Y. Tang et al., "Optimizing Language Models for Inference Time Objectives using
+        Reinforcement Learning", https://arxiv.org/abs/2503.19595
+    """
+    fn = "best_minus_second_advantages"
+    check_tensor(fn, "rewards", rewards, ndim=1)
+    groups = _groups(fn, rewards, group_size, group_ids)
+    check_choice(fn, "scale", scale, ("group", "none"))
+    check_non_negative(fn, "eps", eps)
+    d, valid, d_sum, _ = _shifted(groups, rewards)             # d = r - r_max <= 0; 0 where no reward
+    best = (d == 0) & (valid > 0)
+    n, n_best = groups.sum(valid), groups.sum(best.float())
+    runner_up = groups.amax(torch.where(best | (valid == 0), -math.inf, d))  # r_second - r_max, or -inf
+    unique = (n >= 2) & (n_best == 1)
+    margin = torch.where(unique, -runner_up, 0.0)              # r_max - r_second
+    if scale == "group":
+        centered = d - valid * groups.expand(d_sum.float() / n.clamp(min=1))
+        std_g = groups.sum(centered.square() * valid).div_((n - 1).clamp(min=1)).sqrt_()
+        margin = margin * _scale_factor(std_g, eps)
+    return groups.flat(torch.where(best, groups.expand(margin), 0.0)) + 0.0
 
 
 @batch_args
