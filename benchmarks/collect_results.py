@@ -90,6 +90,10 @@ BENCHMARKS = {
                         "scoring, recomputed log-probs, the update, metrics, weight sync, other",
                         "python benchmarks/bench_rollout.py --profile --threads 1 --steps 8  "
                         "# in the vLLM environment for the vLLM columns"),
+    "compat": ("bench_compat.py",
+               "`torchforge.compat`'s twins against verl 0.9.1's and TRL 1.16's own functions, same inputs: "
+               "forward + backward time",
+               "python benchmarks/bench_compat.py --threads 1  # in an environment with verl and trl (the compat extra)"),
     "weight_sync": ("bench_rollout.py --part sync",
                     "`update_weights` with a model's full weights per engine against the memory floor "
                     "(one batched copy of the same bytes)",
@@ -475,6 +479,14 @@ FIGURES: list[Figure] = [
     Figure("weight_sync", "vLLM in process (CPU build) weight sync, 106M Llama", (),
            lambda s: s.num("x floor", model="100m", variant="vllm (in process)"), "{:.1f}x the time",
            "one batched memory copy of the weights"),
+    Figure("compat", "`torchforge.compat` twins, the slowest against its peer (GSPO, B=64, T=1024)", ("Summary",),
+           lambda s: s.num("value", figure="worst compat / peer ratio"), "{:.2f}x the time",
+           lambda s: "the peer's own function (median over the twins: {:.2f}x)".format(
+               s.num("value", figure="median compat / peer ratio")),
+           ("<=", 1.05, "<= 1.05x")),
+    Figure("compat", "`compat.verl.compute_gae_advantage_return`, B=512, T=1024", ("verl 0.9.1",),
+           lambda s: 1 / s.num("compat / verl", **{"verl function": "compute_gae_advantage_return"}),
+           "{:.1f}x faster", "verl's own function"),
     Figure("rollout", "`RLTrainer` GRPO step on the demo with vLLM in process: time", ("One GRPO step",),
            lambda s: s.num("step time vs hf", engine="vllm"), "{:.2f}x the time", "the `hf` engine",
            ("<", 1.0, "< 1.0x")),
