@@ -19,16 +19,17 @@ root, in an environment with trl (``pip install -e '.[compat]'``).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for folder in (ROOT, ROOT / "benchmarks"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+from bench_advantages import interleaved  # noqa: E402  (the benchmarks' A B A B ... timer)
 
 # (label, loss_type, beta, importance_sampling_level)
 CONFIGS = [
@@ -90,13 +91,8 @@ def trl_rows(quick: bool = False, reps: int | None = None) -> list[dict]:
         if not (abs(loss_c.item() - loss_t.item()) <= 1e-5 * max(abs(loss_t.item()), 1.0)
                 and (grad_c - grad_t).abs().max().item() <= 1e-5 * scale):
             raise AssertionError(f"{label}: compat and TRL differ (loss {loss_c.item()} vs {loss_t.item()})")
-        times = {"trl": [], "compat": []}
-        for _ in range(reps):
-            for name, fn in (("trl", run_trl), ("compat", run_compat)):
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-        trl_ms, compat_ms = (1e3 * statistics.median(times[k]) for k in ("trl", "compat"))
+        medians = interleaved({"trl": run_trl, "compat": run_compat}, {"trl": reps, "compat": reps}, warmup=0)
+        trl_ms, compat_ms = (1e3 * medians[k] for k in ("trl", "compat"))
         rows.append(dict(config=label, shape=f"B={B}, T={T}", trl_ms=trl_ms, compat_ms=compat_ms,
                          ratio=compat_ms / trl_ms))
     return rows

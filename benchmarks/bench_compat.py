@@ -23,7 +23,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -35,16 +34,12 @@ sys.path.insert(0, str(HERE.parent))
 
 from _compat_trl import table as trl_table  # noqa: E402
 from _compat_trl import trl_rows  # noqa: E402
+from bench_advantages import interleaved  # noqa: E402
 
 
 def _timed(peer, compat, reps: int) -> tuple[float, float]:
-    times = {"peer": [], "compat": []}
-    for _ in range(reps):
-        for name, fn in (("peer", peer), ("compat", compat)):
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return tuple(1e3 * statistics.median(times[k]) for k in ("peer", "compat"))
+    medians = interleaved({"peer": peer, "compat": compat}, {"peer": reps, "compat": reps}, warmup=0)
+    return 1e3 * medians["peer"], 1e3 * medians["compat"]
 
 
 def _check(label: str, got, want) -> None:
