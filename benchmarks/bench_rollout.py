@@ -26,12 +26,19 @@ vLLM's CPU build needs its own environment (it pins transformers < 5.20): see th
 Engines section. Without vLLM the vLLM rows are skipped. On a GPU machine with vLLM's CUDA
 build, ``python benchmarks/bench_rollout.py`` runs the same on CUDA (``gpu_rollout.sh``).
 
+Prefix cache (``--part prefix``, the 106M model): vLLM in process with its prefix cache off and
+on, 4 prompts of 256 tokens x 8 copies each (a GRPO step's group), 16 new tokens.
+
+Threads (``--part threads``): ``hf seeded`` and vLLM in process at 1, 2, 4 and 8 torch threads
+(those the machine has), 32 x 8 requests of 32 new tokens.
+
 ``--profile`` instead times the phases of the step (sampling, the rest of the rollout,
 scoring, log-prob recomputation, the update, metrics, weight sync, other) per engine and
-writes benchmarks/results/rollout_profile.md.
+writes benchmarks/results/rollout_profile.md (``--profile-model 100m``: the same step on the
+106M Llama, 2 prompts x 8, 16 tokens, into rollout_profile_100m.md).
 
-Usage: python benchmarks/bench_rollout.py [--quick] [--part gen,step] [--models tiny,100m]
-       [--new-tokens 64] [--repeats 3] [--steps 5] [--profile [--engines hf,vllm]]
+Usage: python benchmarks/bench_rollout.py [--quick] [--part gen,sync,prefix,threads,step] [--models tiny,100m]
+       [--new-tokens 64] [--repeats 3] [--steps 5] [--profile [--profile-model 100m] [--engines hf,vllm]]
 """
 
 from __future__ import annotations
@@ -215,12 +222,95 @@ def weight_sync(models, repeats, device) -> list[str]:
     return lines
 
 
+def prefix_caching(models, repeats, device, prompt_tokens: int = 256, num_prompts: int = 4, group: int = 8,
+                   new_tokens: int = 16) -> list[str]:
+    """vLLM in process with its prefix cache on (vLLM's default, and torchforge's) and off: a GRPO
+    step's requests are ``group`` copies of each prompt, so with the cache a prompt's full KV blocks
+    are computed once and the other copies reuse them. One engine at a time (vLLM runs one in process)."""
+    from torchforge.loop.vllm_engine import VLLMEngine
+
+    lines = ["| model | prompt tokens | requests | new tokens | prefix cache | ms per generate (median) | vs off |",
+             "| --- | ---: | ---: | ---: | --- | ---: | ---: |"]
+    for name in models:
+        model, tokenizer = build_model(name, device)
+        vocab = model.config.vocab_size
+        generator = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(3, vocab, (prompt_tokens,), generator=generator).tolist() for _ in range(num_prompts)]
+        requests = [p for p in prompts for _ in range(group)]
+        seeds = request_seeds(0, range(num_prompts), group)
+        settings = SamplingSettings(max_new_tokens=new_tokens, stop_token_ids=(vocab - 1 if name == "100m" else 0,))
+        times = {}
+        for enabled in (False, True):
+            engine = VLLMEngine.from_model(model, tokenizer, dtype="float32", max_model_len=prompt_tokens + new_tokens,
+                                           enable_prefix_caching=enabled)
+            engine.generate(requests[:group], seeds=seeds[:group], settings=settings)  # warm-up
+            runs = []
+            for _ in range(repeats):
+                engine.llm.reset_prefix_cache()  # every step starts cold: new weights, new prompts
+                runs.append(timed(lambda: engine.generate(requests, seeds=seeds, settings=settings), device)[0])
+            times[enabled] = statistics.median(runs)
+            engine.close()
+            del engine
+            gc.collect()
+        for enabled in (False, True):
+            lines.append(f"| {name} | {prompt_tokens} | {num_prompts} x {group} | {new_tokens} | "
+                         f"{'on' if enabled else 'off'} | {times[enabled] * 1e3:.0f} | {times[enabled] / times[False]:.2f}x |")
+            print(lines[-1], flush=True)
+    return lines
+
+
+def thread_counts(models, repeats, device, new_tokens: int = 32) -> list[str]:
+    """``hf seeded`` and vLLM in process at 1, 2, 4, 8 torch threads (those the machine has): the
+    same 32 x 8 requests. vLLM in process runs on this process's torch threads (torchforge sets
+    ``VLLM_CPU_OMP_THREADS_BIND=nobind``), so ``torch.set_num_threads`` sets both."""
+    from torchforge.loop.vllm_engine import VLLMEngine
+
+    counts = [n for n in (1, 2, 4, 8) if n <= (os.cpu_count() or 1)]
+    lines = ["| model | threads | hf seeded tokens / s | vllm tokens / s | vllm / hf seeded |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    before = torch.get_num_threads()
+    for name in models:
+        model, tokenizer = build_model(name, device)
+        vocab = model.config.vocab_size
+        generator = torch.Generator().manual_seed(1)
+        requests = [p for p in [torch.randint(3, vocab, (16,), generator=generator).tolist() for _ in range(32)]
+                    for _ in range(8)]
+        seeds = request_seeds(0, range(32), 8)
+        settings = SamplingSettings(max_new_tokens=new_tokens, stop_token_ids=(vocab - 1 if name == "100m" else 0,))
+        engines = {"hf": HFEngine(model, pad_token_id=0),
+                   "vllm": VLLMEngine.from_model(model, tokenizer, dtype="float32", max_model_len=16 + new_tokens)}
+        for threads in counts:
+            torch.set_num_threads(threads)
+            rates = {}
+            for key, engine in engines.items():
+                engine.generate(requests[:8], seeds=seeds[:8], settings=settings)  # warm-up at this count
+                runs = []
+                for _ in range(repeats):
+                    seconds, out = timed(lambda: engine.generate(requests, seeds=seeds, settings=settings), device)
+                    runs.append(sum(len(c.token_ids) for c in out) / seconds)
+                rates[key] = statistics.median(runs)
+            lines.append(f"| {name} | {threads} | {rates['hf']:,.0f} | {rates['vllm']:,.0f} | {rates['vllm'] / rates['hf']:.2f}x |")
+            print(lines[-1], flush=True)
+        engines["vllm"].close()
+        del engines
+        gc.collect()
+    torch.set_num_threads(before)
+    return lines
+
+
 PHASES = ["sampling (engine.generate)", "rollout, besides generate", "scoring (reward functions)",
           "log-prob recomputation (ref / old, no grad)", "update (forward, loss, backward, AdamW)", "metrics",
           "weight sync", "other"]
 
 
-def step_profile(steps: int, device: torch.device, engines: list[str]) -> list[str]:
+# the profile's models: the demo's (16 prompts x 8, 4 tokens) and the 106M Llama of the generation
+# table on the demo's prompts and reward (its 32000 ids past the demo's 15 decode to <unk>, so the
+# reward stays near 0: the step's time, not its learning); fewer, longer completions at 106M
+PROFILE_TASKS = {"tiny": {"prompts_per_step": 16, "max_completion_length": 4},
+                 "100m": {"prompts_per_step": 2, "max_completion_length": 16}}
+
+
+def step_profile(steps: int, device: torch.device, engines: list[str], model_name: str = "tiny") -> list[str]:
     """Median wall ms per step and phase of ``RLTrainer.train_step`` on the demo, per engine."""
     import torchforge.trainer.rollouts as strategy
     import torchforge.trainer.trainer as trainer_module
@@ -234,9 +324,12 @@ def step_profile(steps: int, device: torch.device, engines: list[str]) -> list[s
     for engine in engines:
         with tempfile.TemporaryDirectory() as out:
             config = demo_config(engine=engine, output_dir=out, progress_bar=False, save_steps=None,
-                                 engine_args={"dtype": "float32"} if engine.startswith("vllm") else None)
+                                 engine_args={"dtype": "float32"} if engine.startswith("vllm") else None,
+                                 **PROFILE_TASKS[model_name])
             tokenizer = char_tokenizer()
-            trainer = RLTrainer(model=tiny_llama(tokenizer, num_heads=2, seed=0), tokenizer=tokenizer, config=config,
+            model = (tiny_llama(tokenizer, num_heads=2, seed=0) if model_name == "tiny"
+                     else build_model(model_name, device)[0].train())
+            trainer = RLTrainer(model=model, tokenizer=tokenizer, config=config,
                                 reward_functions=[CopyDigitsReward()], train_dataset=copy_digits_dataset(4096))
             for step in range(2):
                 trainer.train_step(step)
@@ -279,7 +372,7 @@ def step_profile(steps: int, device: torch.device, engines: list[str]) -> list[s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: the tiny model, 16 tokens, 1 repeat, 2 steps")
-    parser.add_argument("--part", default="gen,step", help="comma-separated: gen, sync, step")
+    parser.add_argument("--part", default="gen,step", help="comma-separated: gen, sync, prefix, threads, step")
     parser.add_argument("--models", default="tiny,100m")
     parser.add_argument("--new-tokens", default="64", help="comma-separated completion lengths, e.g. 64,256")
     parser.add_argument("--repeats", type=int, default=3)
@@ -289,6 +382,8 @@ def main() -> None:
                         help="only the step's phases (wall ms per step: sampling, rollout, scoring, recomputed "
                              "log-probs, update, metrics, weight sync, other) per engine; writes "
                              "benchmarks/results/rollout_profile.md")
+    parser.add_argument("--profile-model", default="tiny", choices=sorted(PROFILE_TASKS),
+                        help="with --profile: the demo's model (tiny) or the 106M Llama (100m, its own results file)")
     parser.add_argument("--engines", default=None, help="with --profile: comma-separated engines "
                         "(default hf, hf-process and, with vLLM, vllm, vllm-server)")
     args = parser.parse_args()
@@ -305,16 +400,20 @@ def main() -> None:
                 "tokens, temperature 1, completions to the limit, float32.\n"]
     if args.profile:
         engines = args.engines.split(",") if args.engines else ["hf", "hf-process", *(["vllm", "vllm-server"] if HAS_VLLM else [])]
-        text = (f"# rollout_profile\n\nMachine: {machine}; torch {torch.__version__}; threads {torch.get_num_threads()}. "
-                f"Where the time of one GRPO step of RLTrainer on the demo goes (16 prompts x 8, 4 tokens, the 2-head "
-                f"demo Llama), per engine: median wall ms over {steps} steps after 2 warm-up steps "
-                "(`python benchmarks/bench_rollout.py --profile`).\n\n" + "\n".join(step_profile(steps, device, engines))
+        task = PROFILE_TASKS[args.profile_model]
+        model_words = "the 2-head demo Llama" if args.profile_model == "tiny" else "the 106M Llama of the generation table"
+        suffix = "" if args.profile_model == "tiny" else f"_{args.profile_model}"
+        text = (f"# rollout_profile{suffix}\n\nMachine: {machine}; torch {torch.__version__}; threads {torch.get_num_threads()}. "
+                f"Where the time of one GRPO step of RLTrainer on the demo goes ({task['prompts_per_step']} prompts x 8, "
+                f"{task['max_completion_length']} tokens, {model_words}), per engine: median wall ms over {steps} steps "
+                f"after 2 warm-up steps (`python benchmarks/bench_rollout.py --profile --profile-model {args.profile_model}`).\n\n"
+                + "\n".join(step_profile(steps, device, engines, args.profile_model))
                 + "\n\nPhases are timed by wrapping `engine.generate`, the single-turn `rollout` (less its generate), "
                 "`score_rewards`, `RLTrainer._reference_log_probs`, `._update`, `._metrics` and `._sync_engine`; "
                 "other: what the step spends outside them (advantages, batch moves, the step's bookkeeping).\n")
         print(text)
         if not args.quick:
-            (HERE / "results" / "rollout_profile.md").write_text(text)
+            (HERE / "results" / f"rollout_profile{suffix}.md").write_text(text)
         return
     parts = args.part.split(",")
     if "gen" in parts:
@@ -332,15 +431,22 @@ def main() -> None:
         parts = [p for p in parts if p != "sync"]
         if not parts:
             return
+    if "prefix" in parts and HAS_VLLM:
+        sections.append("## vLLM's prefix cache over a group's copies of one prompt\n\n"
+                        + "\n".join(prefix_caching(models, repeats, device)) + "\n")
+    if "threads" in parts and HAS_VLLM:
+        sections.append("## Threads: HF and vLLM in process at 1, 2, 4, 8 CPU threads (those the machine has)\n\n"
+                        + "\n".join(thread_counts(models, repeats, device)) + "\n")
     if "step" in parts:
         sections.append(f"## One GRPO step of RLTrainer on the demo (16 prompts x 8, 4 tokens), median of {steps}\n\n"
                         + "\n".join(whole_step(steps, device)) + "\n")
     if not args.quick:
         path = HERE / "results" / "rollout.md"
-        if parts == ["step"] and path.exists():  # keep the recorded generation table
-            old = path.read_text()
-            keep = old[:old.index("## One GRPO step")] if "## One GRPO step" in old else old
-            sections = [keep.rstrip() + "\n", *sections[1:]]
+        if path.exists():  # keep the recorded sections this run did not measure, in their order
+            fresh = {section.split("\n", 1)[0]: section for section in sections[1:]}
+            kept = ["## " + old for old in path.read_text().split("\n## ")[1:]]
+            merged = [fresh.pop(old.split("\n", 1)[0], old.rstrip() + "\n") for old in kept]
+            sections = [sections[0], *merged, *fresh.values()]
         path.write_text("\n".join(sections))
 
 

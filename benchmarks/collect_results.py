@@ -90,6 +90,11 @@ BENCHMARKS = {
                         "scoring, recomputed log-probs, the update, metrics, weight sync, other",
                         "python benchmarks/bench_rollout.py --profile --threads 1 --steps 8  "
                         "# in the vLLM environment for the vLLM columns"),
+    "rollout_profile_100m": ("bench_rollout.py --profile --profile-model 100m",
+                             "the same step profile on the 106M Llama (2 prompts x 8, 16 tokens), `hf` and vLLM "
+                             "in process",
+                             "python benchmarks/bench_rollout.py --profile --profile-model 100m --engines hf,vllm "
+                             "--steps 3 --threads 2  # in the vLLM environment"),
     "compat": ("bench_compat.py",
                "`torchforge.compat`'s twins against verl 0.9.1's and TRL 1.16's own functions, same inputs: "
                "forward + backward time",
@@ -473,6 +478,14 @@ FIGURES: list[Figure] = [
            / s.num("`hf` ms", phase="sampling (engine.generate)"), "{:.1f}x",
            lambda s: "the `hf` engine's (weight sync {:.1f} ms of a {:.0f} ms step)".format(
                s.num("`vllm` ms", phase="weight sync"), s.num("`vllm` ms", phase="total"))),
+    Figure("rollout_profile_100m", "106M GRPO step, vLLM in process: time", (),
+           lambda s: s.num("`vllm` ms", phase="total") / s.num("`hf` ms", phase="total"), "{:.2f}x the time",
+           lambda s: "the `hf` engine (sampling {:.2f}x hf's; weight sync {:.0f} ms of {:.0f})".format(
+               s.num("`vllm` ms", phase="sampling (engine.generate)") / s.num("`hf` ms", phase="sampling (engine.generate)"),
+               s.num("`vllm` ms", phase="weight sync"), s.num("`vllm` ms", phase="total")),
+           ("<", 1.0, "< 1.0x")),
+    Figure("rollout", "vLLM prefix cache, 106M Llama, 4 prompts of 256 tokens x 8 copies: time", ("vLLM's prefix cache",),
+           lambda s: s.num("vs off", model="100m", **{"prefix cache": "on"}), "{:.2f}x the time", "the cache off"),
     Figure("weight_sync", "`hf-process` weight sync, 106M Llama (404 MiB)", (),
            lambda s: s.num("x floor", model="100m", variant="hf-process"), "{:.2f}x the time",
            "one batched memory copy of the weights"),

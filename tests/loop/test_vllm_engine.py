@@ -65,6 +65,23 @@ def test_vllm_in_process_passes_the_conformance_checks(model, tokenizer):
         engine.close()
 
 
+def test_long_seeded_prompts_over_a_small_token_budget_sample_as_under_a_large_one(model, tokenizer):
+    # 8 prompts of 100 tokens against a budget of 256 tokens a step: with vLLM's chunked
+    # prefill a prompt would be split across steps, which its CPU build fails on for seeded
+    # requests; whole prompts per step sample exactly what one large step samples
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 15, (100,), generator=generator).tolist() for _ in range(8)]
+    settings = SamplingSettings(max_new_tokens=4, stop_token_ids=(2,))
+    samples = []
+    for budget in (256, 8192):
+        engine = VLLMEngine.from_model(model, tokenizer, max_num_batched_tokens=budget)
+        try:
+            samples.append([c.token_ids for c in engine.generate(prompts, seeds=list(range(8)), settings=settings)])
+        finally:
+            engine.close()
+    assert samples[0] == samples[1]
+
+
 def test_vllm_server_passes_the_conformance_checks_and_samples_as_in_process(server, model):
     check_engine(server, model)
     settings = SamplingSettings(max_new_tokens=5, stop_token_ids=(2,))

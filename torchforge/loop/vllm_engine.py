@@ -83,6 +83,25 @@ def _model_dtype(model: nn.Module) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "auto")
 
 
+def _cpu_scheduler_args(model: str | os.PathLike, max_model_len: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    """On a CPU, vLLM's prefill is never split across scheduler steps: its CPU build fails on a
+    seeded request whose prefill is split ("CPU Generator does not use offset": a split prefill
+    rewinds the request's generator, which CPU generators cannot), and every request here is
+    seeded. So chunked prefill is off and a step takes the longest sequence whole (vLLM's own
+    setting for the CPU models that cannot chunk), unless ``args`` says otherwise."""
+    if torch.cuda.is_available() or "enable_chunked_prefill" in args:
+        return {}
+    extra: dict[str, Any] = {"enable_chunked_prefill": False}
+    if "max_num_batched_tokens" not in args:
+        if max_model_len is None:
+            from transformers import AutoConfig
+
+            text = AutoConfig.from_pretrained(str(model)).get_text_config()
+            max_model_len = int(getattr(text, "max_position_embeddings", 0) or 8192)
+        extra["max_num_batched_tokens"] = max(int(max_model_len), 8192)
+    return extra
+
+
 def _merged_with_peft(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]] | None):
     if weights is not None:
         return weights
@@ -142,6 +161,7 @@ class VLLMEngine:
             kv_cache_memory_bytes = 2**30
         if kv_cache_memory_bytes is not None:
             llm_args["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+        llm_args.update(_cpu_scheduler_args(model, max_model_len, llm_args))
         self.weights_version = 0
         self.llm = vllm.LLM(
             model=str(model), dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
@@ -324,6 +344,14 @@ class VLLMServerEngine:
             kv_cache_memory_bytes = 2**30
         if kv_cache_memory_bytes is not None:
             command += ["--kv-cache-memory-bytes", str(int(kv_cache_memory_bytes))]
+        given = {arg.lstrip("-").split("=")[0].replace("-", "_") for arg in server_args if arg.startswith("--")}
+        if "no_enable_chunked_prefill" in given:
+            given.add("enable_chunked_prefill")
+        scheduler = _cpu_scheduler_args(model, max_model_len, dict.fromkeys(given))
+        if scheduler:
+            command.append("--no-enable-chunked-prefill")
+        if "max_num_batched_tokens" in scheduler:
+            command += ["--max-num-batched-tokens", str(scheduler["max_num_batched_tokens"])]
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
         self.log_path = self.weights_dir / "server.log"
         self._log = open(self.log_path, "w")
