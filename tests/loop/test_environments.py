@@ -375,13 +375,21 @@ class LookAgain(Environment):
                           0.5, False, images=[image])
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "llava"])
+@pytest.fixture(scope="module", params=[(name, scaled) for name in ("qwen2_vl", "llava") for scaled in (False, True)],
+                ids=lambda p: f"{p[0]}-{'scaled' if p[1] else 'plain'}")
 def vlm(request):
     pytest.importorskip("PIL", reason="images need Pillow (the vision extra)")
     from torchforge.loop.tiny_vlm import tiny_llava, tiny_qwen2_vl
 
-    model, processor = {"qwen2_vl": tiny_qwen2_vl, "llava": tiny_llava}[request.param](seed=1)
-    return request.param, model, processor
+    name, scaled = request.param
+    model, processor = {"qwen2_vl": tiny_qwen2_vl, "llava": tiny_llava}[name](seed=1)
+    if scaled:  # realistic logits (36 nats at most on an image prompt), as tests/loop/test_vision.py scales them
+        text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False,
+                                             add_generation_prompt=True)
+        enc = processor(text=[text], images=[shape_image("red")], return_tensors="pt")
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(36.0 / float(model(**enc).logits.abs().max()))
+    return name, model, processor
 
 
 def play_images(model, processor, envs, rows, **kwargs):
