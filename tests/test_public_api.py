@@ -187,3 +187,18 @@ def test_public_callable_has_an_example(name):
     obj = getattr(torchforge, name)
     doc = inspect.getdoc(obj) if inspect.isroutine(obj) else obj.__dict__.get("__doc__")
     assert _has_section(inspect.cleandoc(doc), "Example"), f"torchforge.{name}: docstring has no 'Example:' section"
+
+
+def test_the_loop_exports_its_vision_names():
+    # torchforge.loop re-exports its modules' public names; the vision ones among them
+    import torchforge.loop
+    import torchforge.loop.vision
+
+    loop_all = list(torchforge.loop.__all__)
+    assert len(loop_all) == len(set(loop_all)), sorted(n for n in loop_all if loop_all.count(n) > 1)
+    missing = [n for n in torchforge.loop.vision.__all__ if n not in loop_all]
+    assert not missing, f"torchforge.loop.vision has public names missing from torchforge.loop.__all__: {missing}"
+    for name in loop_all:
+        assert hasattr(torchforge.loop, name), f"torchforge.loop.__all__ lists {name!r}, which it does not define"
+    for name in torchforge.loop.vision.__all__:
+        assert getattr(torchforge.loop, name) is getattr(torchforge.loop.vision, name)

@@ -1,6 +1,7 @@
 """Multi-turn episodes: layout and masks, token in / token out, log-prob equality, limits,
 faults (raising, hanging, bad values), concurrency, async steps, chat-template observations,
-and parity across 2 processes."""
+images in the prompt and the observations of a vision-language model, and parity across 2
+processes."""
 
 import asyncio
 import logging
@@ -331,6 +332,154 @@ def test_messages_without_a_chat_template_are_an_error(tokenizer, model):
     with pytest.raises(InvalidArgumentError, match="rollout_episodes: a reset\\(\\) observation is a list of chat messages "
                        "but the tokenizer has no chat_template"):
         play(model, tokenizer, [Calculator()], [{"question": "1"}])
+
+
+# --- images in the observations (a vision-language model) -------------------------------------------
+
+COLOURS = ("red", "green", "blue", "yellow", "white")
+# an observation's text with its image placeholder, as each family's chat template renders it
+MARKUP = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>"}
+
+
+def shape_image(colour):
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (56, 56), "black")
+    ImageDraw.Draw(image).ellipse((12, 12, 44, 44), fill=colour)
+    return image
+
+
+class LookAgain(Environment):
+    """The row's image in the prompt; each observation shows one more image, as chat messages with
+    StepResult.images, as chat parts that carry their image, or as text with the placeholder."""
+
+    def __init__(self, style, markup="", colours=COLOURS):
+        self.style, self.markup, self.colours = style, markup, colours
+
+    def reset(self, row):
+        self.turn, self.shown = 0, list(row["images"])  # every image the model sees, in order
+        return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the shape ?"}]}]
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 3:
+            return StepResult(None, 1.0, True)
+        image = shape_image(self.colours[self.turn])
+        self.shown.append(image)
+        if self.style == "images":
+            return StepResult([{"role": "user", "content": [{"type": "text", "text": "and"}, {"type": "image"}]}],
+                              0.5, False, images=[image])
+        if self.style == "parts":
+            return StepResult([{"role": "user", "content": [{"type": "image", "image": image}]}], 0.5, False)
+        return StepResult(f"<|im_end|><|im_start|>user {self.markup}what colour ?<|im_end|><|im_start|>assistant ",
+                          0.5, False, images=[image])
+
+
+@pytest.fixture(scope="module", params=[(name, scaled) for name in ("qwen2_vl", "llava") for scaled in (False, True)],
+                ids=lambda p: f"{p[0]}-{'scaled' if p[1] else 'plain'}")
+def vlm(request):
+    pytest.importorskip("PIL", reason="images need Pillow (the vision extra)")
+    from torchforge.loop.tiny_vlm import tiny_llava, tiny_qwen2_vl
+
+    name, scaled = request.param
+    model, processor = {"qwen2_vl": tiny_qwen2_vl, "llava": tiny_llava}[name](seed=1)
+    if scaled:  # realistic logits (36 nats at most on an image prompt), as tests/loop/test_vision.py scales them
+        text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False,
+                                             add_generation_prompt=True)
+        enc = processor(text=[text], images=[shape_image("red")], return_tensors="pt")
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(36.0 / float(model(**enc).logits.abs().max()))
+    return name, model, processor
+
+
+def play_images(model, processor, envs, rows, **kwargs):
+    return rollout_episodes(model, processor.tokenizer, envs, rows=rows, num_generations=len(envs) // len(rows),
+                            max_turns=4, max_new_tokens_per_turn=3, max_total_tokens=200, seed=SEED,
+                            images=[row["images"] for row in rows], processor=processor, **kwargs)
+
+
+def _own_log_probs(model, processor, prompt, tokens, mask, images):
+    """One episode through the model's own forward, unpadded: the episode's ids (a sampled image
+    placeholder, which ended its turn, as token 0), every image it saw processed in one call, in
+    order; Qwen2-VL's 3D positions the model's own from mm_token_type_ids. log_softmax, gathered."""
+    import inspect
+
+    from torchforge.loop.vision import placeholder_ids
+
+    sampled = mask & torch.isin(tokens, torch.tensor(placeholder_ids(model)))
+    ids = torch.cat([prompt, tokens.masked_fill(sampled, 0)])[None]
+    extra = dict(processor.image_processor(images=images, return_tensors="pt"))
+    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+        image_pad = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+        extra["mm_token_type_ids"] = (ids == image_pad).long()
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False, **extra).logits[0]
+    return logits[len(prompt) - 1:-1].float().log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("style", ["images", "parts", "text"])
+def test_observation_images_reach_the_later_turns_and_the_log_probs_equal_the_models_own(vlm, style):
+    name, model, processor = vlm
+    rows = [{"images": [shape_image("red")]}, {"images": [shape_image("blue")]}]
+    envs = [LookAgain(style, MARKUP[name]) for _ in range(4)]
+    batch, episodes = play_images(model, processor, envs, rows)
+    assert episodes.turns.tolist() == [3] * 4 and episodes.reasons == ["done"] * 4
+    # the vision inputs of each episode: the prompt's image, then the two observations'
+    per_image = 16 if name == "qwen2_vl" else 1  # Qwen2-VL: 16 patches of a 56 x 56 image; LLaVA: one image
+    assert batch.vision["pixel_values", "length"].tolist() == [3 * per_image] * 4
+    image_pad = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    with torch.no_grad():
+        log_probs, _ = policy_log_probs(model, batch)
+    for b, env in enumerate(envs):
+        n = int(episodes.lengths[b])
+        tokens, mask = batch.tokens[b, :n], batch.mask[b, :n]
+        observation = tokens[~mask]
+        assert int((observation == image_pad).sum()) == 2 * int((batch.prompt_tokens[b] == image_pad).sum()) > 0
+        own = _own_log_probs(model, processor, batch.prompt_tokens[b][batch.prompt_mask[b]], tokens, mask, env.shown)
+        torch.testing.assert_close(log_probs[b, :n] * mask, own * mask, atol=1e-5, rtol=1e-5)
+        # the check can fail: the same episode read with its observations' images swapped differs
+        swapped = _own_log_probs(model, processor, batch.prompt_tokens[b][batch.prompt_mask[b]], tokens, mask,
+                                 [env.shown[0], env.shown[2], env.shown[1]])
+        assert float(((own - swapped) * mask).abs().max()) > 1e-4
+    # the sampler saw every image so far: its log-probs of the later turns are the training forward's
+    torch.testing.assert_close(batch.rollout_log_probs, log_probs * batch.mask, atol=1e-5, rtol=1e-5)
+
+
+def test_the_episodes_with_images_slice_into_micro_batches(vlm):
+    _, model, processor = vlm
+    rows = [{"images": [shape_image("red")]}, {"images": [shape_image("green")]}]
+    batch, _ = play_images(model, processor, [LookAgain("images") for _ in range(4)], rows)
+    with torch.no_grad():
+        whole, _ = policy_log_probs(model, batch)
+        for part in (slice(0, 1), slice(1, 4)):
+            piece, _ = policy_log_probs(model, batch[part])
+            torch.testing.assert_close(piece * batch.mask[part], whole[part] * batch.mask[part], atol=1e-5, rtol=1e-5)
+
+
+class ShowsAnImage(Scripted):
+    def step(self, action):
+        return StepResult("7=", 0.0, False, images=[shape_image("red")])
+
+
+def test_images_for_a_text_only_model_or_without_their_placeholders_are_one_line_errors(tokenizer, model, vlm):
+    pytest.importorskip("PIL", reason="images need Pillow (the vision extra)")
+    with pytest.raises(InvalidArgumentError, match=r"^rollout_episodes: the observation of ShowsAnImage.step \(episode 0, "
+                       r"turn 0\) has 1 image\(s\) but no processor was given \(a text-only model\); expected text "
+                       r"observations, or processor= with a vision-language model$"):
+        play(model, tokenizer, [ShowsAnImage()], [{"prompt": "12="}])
+    name, vlm_model, processor = vlm
+    with pytest.raises(InvalidArgumentError, match=r"^rollout_episodes: the observation of ShowsAnImage.step \(episode 0, "
+                       r"turn 0\) renders 0 image placeholder\(s\) .* but has 1 image\(s\); expected one image per "
+                       r"placeholder"):
+        rollout_episodes(vlm_model, processor.tokenizer, [ShowsAnImage()], rows=[{"prompt": "what colour ?"}],
+                         num_generations=1, max_turns=2, max_new_tokens_per_turn=2, max_total_tokens=50,
+                         processor=processor)
+    with pytest.raises(InvalidArgumentError, match=r"^rollout_episodes: the reset\(\) of episode 0 \(LookAgain\) renders "
+                       r"1 image placeholder\(s\) .* but has 2 image\(s\)"):
+        rollout_episodes(vlm_model, processor.tokenizer, [LookAgain("images")],
+                         rows=[{"images": [shape_image("red"), shape_image("blue")]}], num_generations=1, max_turns=2,
+                         max_new_tokens_per_turn=2, max_total_tokens=50, images=[[shape_image("red")] * 2],
+                         processor=processor)
 
 
 # --- bad input -----------------------------------------------------------------------------------

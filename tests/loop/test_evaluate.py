@@ -139,6 +139,7 @@ def test_evaluate_batches_give_the_same_numbers(model, tokenizer):
     ({"num_generations": 2, "batch_size": 0}, "evaluate: batch_size must be an int >= 1 or None, got 0"),
     ({"num_generations": 2, "columns": {"answer": ["1"]}},
      r"evaluate: columns\['answer'\] has 1 values for 2 prompts; expected one per prompt"),
+    ({"num_generations": 2, "images": [[]]}, r"evaluate: 1 image lists for 2 prompts; expected one per prompt"),
 ])
 def test_evaluate_errors(model, tokenizer, kwargs, message):
     with pytest.raises(InvalidArgumentError, match=message):

@@ -251,6 +251,26 @@ def test_rollout_refuses_images_without_a_processor_or_an_engine_that_takes_them
                 engine=_TextOnlyEngine())
 
 
+def test_rollout_takes_processed_vision_inputs_for_token_id_prompts():
+    # a multi-turn context: token ids with the image tokens expanded, and their vision inputs
+    from torchforge.loop.vision import encode_vision_prompts
+
+    model, processor = tiny_qwen2_vl(seed=3)
+    prompts, images = [prompt(processor, 1), prompt(processor, 0)], [[shape_image("red")], []]
+    ids, vision = encode_vision_prompts(processor, prompts, images)
+    kwargs = dict(num_generations=2, max_new_tokens=4, seed=5)
+    by_ids = rollout(model, processor.tokenizer, ids, vision=vision, **kwargs)
+    by_text = rollout(model, processor.tokenizer, prompts, images=images, processor=processor, **kwargs)
+    assert torch.equal(by_ids.tokens, by_text.tokens) and torch.equal(by_ids.prompt_tokens, by_text.prompt_tokens)
+    assert all(torch.equal(by_ids.vision[k, "data"], by_text.vision[k, "data"]) for k in by_text.vision.keys())
+    with pytest.raises(InvalidArgumentError, match=r"^rollout: 1 vision inputs for 2 prompts; expected one each$"):
+        rollout(model, processor.tokenizer, ids, vision=vision[:1], **kwargs)
+    with pytest.raises(InvalidArgumentError, match=r"^rollout: vision was given with string prompts"):
+        rollout(model, processor.tokenizer, prompts, vision=vision, **kwargs)
+    with pytest.raises(InvalidArgumentError, match=r"^rollout: both images and vision were given"):
+        rollout(model, processor.tokenizer, prompts, images=images, vision=vision, processor=processor, **kwargs)
+
+
 # --- images from the dataset and the model folder --------------------------------------------
 
 def test_load_images_reads_paths_and_file_urls_relative_to_the_dataset(tmp_path):

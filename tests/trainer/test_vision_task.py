@@ -1,7 +1,9 @@
-"""Vision-language models in RLTrainer and ``torchforge train`` (torchforge.trainer.vision_task): a tiny
-Qwen2-VL saved to a folder trains from the command line on a JSONL of image rows and resumes,
-the vision tower stays frozen unless train_vision_tower, the reward functions get PIL images,
-and mistakes are one line before the model loads."""
+"""Vision-language models in RLTrainer, ``torchforge train`` and ``torchforge eval``
+(torchforge.trainer.vision_task): a tiny Qwen2-VL saved to a folder trains from the command
+line on a JSONL of image rows and resumes, the vision tower stays frozen unless
+train_vision_tower, the reward functions get PIL images, multi-turn environments show images
+in their observations, evaluation scores image rows, and mistakes are one line before the
+model loads."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ pytest.importorskip("PIL", reason="images need Pillow (the vision extra)")
 from PIL import Image  # noqa: E402
 
 from torchforge.errors import InvalidArgumentError  # noqa: E402
+from torchforge.loop.environments import StepResult  # noqa: E402
 from torchforge.loop.tiny_vlm import save_tiny_vlm, tiny_llava, tiny_qwen2_vl  # noqa: E402
 from torchforge.loop.vision import vision_tower_parameters  # noqa: E402
 from torchforge.trainer.cli import main  # noqa: E402
@@ -148,6 +151,12 @@ def test_trainer_mistakes_are_one_line(tmp_path):
         _trainer(tmp_path, model, processor.tokenizer, rows)
     with pytest.raises(InvalidArgumentError, match=r"^RLTrainer: padding_free=True with a vision-language model"):
         _trainer(tmp_path, model, processor, rows, padding_free=True)
+    text_rows = [{"prompt": "12=", "answer": "12"}]
+    with pytest.raises(InvalidArgumentError, match=r"^RLTrainer: the eval_dataset's rows have images but the model "
+                                                   r"\(LlamaForCausalLM\) is text-only"):
+        RLTrainer(model=tiny_llama(tokenizer), tokenizer=tokenizer, config=RLConfig(**{
+            **QUICK, "output_dir": str(tmp_path / "text"), "eval_steps": 1}), reward_functions=[colour_reward],
+            train_dataset=text_rows, eval_dataset=rows)
     # what the trainer does not take images through yet (the config as RLConfig checks it, vLLM installed or not)
     from types import SimpleNamespace
 
@@ -158,14 +167,132 @@ def test_trainer_mistakes_are_one_line(tmp_path):
                                                    r"'hf' samples from images here; expected engine='hf'$"):
         vision_task(model, processor, None, rows, vllm)
     hf = SimpleNamespace(padding_free=False, engine="hf")
-    with pytest.raises(InvalidArgumentError, match=r"^RLTrainer: an environment_factory with a vision-language model"):
-        vision_task(model, processor, None, rows, hf, has_environment=True)
-    with pytest.raises(InvalidArgumentError, match=r"^RLTrainer: eval_dataset with a vision-language model"):
-        vision_task(model, processor, None, rows, hf, has_eval=True)
     with pytest.raises(InvalidArgumentError, match=r"^RLTrainer: processor is a \w+; expected the model.s processor"):
         vision_task(model, None, processor.tokenizer, rows, hf)
     tokenizer_of, task = vision_task(model, None, processor, rows, hf)  # the processor alone: its tokenizer
     assert tokenizer_of is processor.tokenizer and task.processor is processor
+
+
+# --- multi-turn environments and evaluation with images -----------------------------------------
+
+class LookTwice:
+    """An episode that shows the row's image, then (after the model's first turn) a second image
+    of the same colour, and rewards naming the colour at the end."""
+
+    def reset(self, row):
+        self.turn, self.colour = 0, row["answer"]
+        return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the image ?"}]}]
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 1:
+            return StepResult([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "is there ?"}]}],
+                              0.0, False, images=[Image.new("RGB", (56, 56), self.colour)])
+        return StepResult(None, float(self.colour in action), True)
+
+
+def test_an_environment_trains_a_vlm_with_images_in_its_observations(tmp_path):
+    rows = [{"images": [Image.new("RGB", (56, 56), c)], "answer": c} for c in COLOURS]
+    model, processor = tiny_qwen2_vl(seed=0)
+    config = RLConfig(**{**QUICK, "output_dir": str(tmp_path / "run"), "max_turns": 3, "max_total_tokens": 64})
+    trainer = RLTrainer(model=model, tokenizer=processor, config=config, reward_functions=[colour_reward],
+                        train_dataset=rows, environment_factory=LookTwice)
+    scored = trainer.sample_step(0)
+    batch = scored.batch
+    # each episode: the row's image in the prompt and the observation's after the first turn
+    assert scored.episodes.turns.tolist() == [2] * batch.batch_size[0]
+    assert batch.vision["image_grid_thw", "length"].tolist() == [2] * batch.batch_size[0]
+    image_pad = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    assert all(int((batch.tokens[b][~batch.mask[b]] == image_pad).sum()) == 4 for b in range(batch.batch_size[0]))
+    from torchforge.loop import policy_log_probs
+
+    with torch.no_grad():
+        log_probs, _ = policy_log_probs(trainer.model, batch)
+    torch.testing.assert_close(log_probs * batch.mask, batch.rollout_log_probs, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(scored.per_function["colour_reward"]).all()  # colour_reward read each row's PIL image
+    trainer.train()
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2] and all(r["rollout/log_prob_gap"] < 1e-4 for r in logged)
+
+
+def test_the_trainer_evaluates_image_rows_as_it_trains_them(tmp_path):
+    from torchforge.loop import decode_completions, rollout
+    from torchforge.trainer.vision_task import row_prompt_and_images
+
+    rows = [{"prompt": "what colour is the image ?", "images": [Image.new("RGB", (56, 56), c)], "answer": c}
+            for c in COLOURS]
+    seen = []
+
+    def colour_seen(completions, images, answer, **kwargs):
+        seen.append(list(completions))
+        return colour_reward(completions, images, answer)
+
+    model, processor = tiny_qwen2_vl(seed=0)
+    config = RLConfig(**{**QUICK, "output_dir": str(tmp_path / "run"), "eval_steps": 1, "num_eval_generations": 2})
+    trainer = RLTrainer(model=model, tokenizer=processor, config=config, reward_functions=[colour_seen],
+                        train_dataset=rows, eval_dataset=rows[:3])
+    metrics = trainer.evaluate()
+    assert metrics["eval/num_prompts"] == 3.0
+    # the sampled completions are the ones a rollout with the rows' images gives (the same seeds)
+    prompts, images = zip(*(row_prompt_and_images(processor, row, "row") for row in rows[:3]))
+    batch = rollout(trainer.model, processor.tokenizer, list(prompts), num_generations=2, max_new_tokens=3,
+                    seed=config.seed, images=list(images), processor=processor, stop_token_ids=trainer.stop_ids)
+    assert seen[0] == decode_completions(processor.tokenizer, batch)[0]
+    assert metrics["eval/reward"] == pytest.approx(sum(colour_reward(seen[0], [im for im in images for _ in range(2)],
+                                                                     [r["answer"] for r in rows[:3] for _ in range(2)])) / 6)
+
+
+def test_torchforge_eval_scores_a_vlm_folder_on_image_rows(vlm_run, tmp_path, capsys):
+    from transformers import AutoModelForImageTextToText
+
+    from torchforge.loop.vision import load_processor
+    from torchforge.trainer.evaluation import evaluate_dataset
+    from torchforge.trainer.vision_task import resolve_image_paths
+
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--model", vlm_run["model"], "--dataset", vlm_run["dataset"], "--reward-function",
+                 vlm_run["reward_functions"][0], "--out", str(out), "num_eval_generations=2",
+                 "max_completion_length=3"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed == json.loads(out.read_text()) and printed["eval/num_prompts"] == 4.0
+    # what evaluate_dataset gives on the same model, processor and rows (paths from the JSONL's folder)
+    rows = resolve_image_paths([json.loads(line) for line in open(vlm_run["dataset"])], tmp_path / "data")
+    direct = evaluate_dataset(AutoModelForImageTextToText.from_pretrained(vlm_run["model"]).eval(),
+                              load_processor(vlm_run["model"]).tokenizer, rows, [colour_reward],
+                              RLConfig(num_eval_generations=2, max_completion_length=3),
+                              processor=load_processor(vlm_run["model"]))
+    assert printed == pytest.approx(direct, rel=1e-6)
+
+
+def test_an_image_eval_dataset_is_read_once_and_checked_before_the_model_loads(vlm_run, tmp_path, capsys, no_load):
+    from torchforge.trainer import cli
+
+    settings = {**vlm_run, "eval_dataset": vlm_run["dataset"], "eval_steps": 1}
+    rows = (tmp_path / "data" / "rows.jsonl").read_text().splitlines()
+    (tmp_path / "data" / "eval.jsonl").write_text("\n".join([rows[0].replace("red.png", "gone.png")]))
+    bad = {**settings, "eval_dataset": str(tmp_path / "data" / "eval.jsonl")}
+    assert main(["train", *(f"{k}={json.dumps(v)}" for k, v in bad.items())]) == 2
+    assert re.search(r"^eval_dataset:1: image file '.*data/gone.png' does not exist", _one_line(capsys))
+    assert main(["eval", "--model", vlm_run["model"], "--dataset", bad["eval_dataset"], "--reward-function",
+                 vlm_run["reward_functions"][0]]) == 2
+    assert re.search(r"^dataset .*eval.jsonl:1: image file '.*data/gone.png' does not exist", _one_line(capsys))
+    # check_run reads the JSONL files (image paths resolved); the trainer is built from those rows
+    run = cli.check_run(settings)
+    assert run.train_rows[0]["images"] == [str(tmp_path / "data" / "red.png")]
+    assert run.eval_rows[2]["images"] == [str(tmp_path / "data" / "blue.png")]
+
+
+def test_build_trainer_takes_the_rows_check_run_read(vlm_run, monkeypatch):
+    from torchforge.trainer import cli
+
+    run = cli.check_run(vlm_run)
+
+    def read_again(*args, **kwargs):
+        raise AssertionError("the dataset was read again")
+
+    monkeypatch.setattr(cli, "read_dataset", read_again)
+    trainer = cli.build_trainer(run)
+    assert trainer.train_dataset[0]["images"] == run.train_rows[0]["images"] and trainer.vision
 
 
 # --- the command's mistakes: one line, exit 2, before the model loads ---------------------------

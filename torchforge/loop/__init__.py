@@ -15,6 +15,11 @@ Generation goes through an engine (:mod:`torchforge.loop.engines`): Hugging Face
 ``generate`` by default, vLLM in process or as a server (:mod:`torchforge.loop.vllm_engine`).
 
 :func:`evaluate` scores sampled and greedy completions of held-out prompts (pass@k).
+
+Vision-language models (:mod:`torchforge.loop.vision`): a prompt's or an observation's images
+go through the model's processor (:func:`encode_vision_prompts`), and a ``Batch`` carries
+their inputs in ``vision`` (:func:`stack_vision`), which :func:`policy_log_probs` passes to
+the forward (:func:`vision_model_inputs`).
 """
 
 from torchforge.loop.engines import Completion, GenerationEngine, HFEngine, SamplingSettings, request_seeds
@@ -42,6 +47,28 @@ from torchforge.loop.update import (
     micro_batches_by_tokens,
     optimizer_step,
     sequence_tokens,
+)
+from torchforge.loop.vision import (
+    VisionInputs,
+    cat_vision,
+    check_dataset_images,
+    check_vision_model_folder,
+    encode_vision_prompts,
+    image_placeholders,
+    images_processor,
+    is_processor,
+    is_vision_config,
+    is_vision_tower_name,
+    join_vision,
+    load_images,
+    load_processor,
+    placeholder_ids,
+    row_images,
+    stack_vision,
+    token_type_inputs,
+    uses_mrope,
+    vision_model_inputs,
+    vision_tower_parameters,
 )
 
 __all__ = [
@@ -81,4 +108,25 @@ __all__ = [
     "optimizer_step",
     "evaluate",
     "pass_at_k",
+    # vision-language models (torchforge.loop.vision)
+    "VisionInputs",
+    "load_images",
+    "row_images",
+    "check_dataset_images",
+    "is_vision_config",
+    "check_vision_model_folder",
+    "images_processor",
+    "load_processor",
+    "is_processor",
+    "encode_vision_prompts",
+    "join_vision",
+    "image_placeholders",
+    "stack_vision",
+    "cat_vision",
+    "vision_model_inputs",
+    "token_type_inputs",
+    "uses_mrope",
+    "vision_tower_parameters",
+    "is_vision_tower_name",
+    "placeholder_ids",
 ]

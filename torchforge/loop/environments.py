@@ -23,6 +23,14 @@ Token in, token out: the model's tokens are exactly the sampled ones, and an obs
 tokenized once and appended; the decoded text is never tokenized again. So
 :func:`torchforge.loop.policy_log_probs` on the batch reproduces ``rollout_log_probs`` on
 the model's tokens, and GAE / the losses see the observation tokens as mask gaps.
+
+Images (a vision-language model, with its ``processor``): the prompt's images (the row's,
+``images=``) and an observation's (``StepResult(..., images=[...])``, or chat parts
+``{"type": "image", "image": <PIL image or path>}``) go through the processor, which expands
+their placeholders into the model's image tokens; the episode's vision inputs accumulate in
+order (the prompt's images, then each observation's, :func:`torchforge.loop.vision.join_vision`),
+every later turn is sampled with all of them, and ``batch.vision`` carries them to the
+training forward.
 """
 
 from __future__ import annotations
@@ -47,6 +55,15 @@ from torchforge.errors import InvalidArgumentError, TorchforgeError
 from torchforge.loop.engines import GenerationEngine
 from torchforge.loop.rollout import completion_stop_ids, rollout
 from torchforge.loop.sampling import sample_keys
+from torchforge.loop.vision import (
+    VisionInputs,
+    encode_vision_prompts,
+    image_placeholders,
+    join_vision,
+    load_images,
+    placeholder_ids,
+    stack_vision,
+)
 
 __all__ = ["Environment", "StepResult", "Episodes", "EpisodeError", "rollout_episodes", "episode_metrics"]
 
@@ -57,12 +74,16 @@ class StepResult(NamedTuple):
 
     Args:
         observation: text appended as is, chat messages rendered with the tokenizer's chat
-            template, or None (nothing to append).
+            template (the processor's, for a vision-language model), or None (nothing to append).
         reward: the reward of this turn (a finite number).
         done: True when the episode is over.
+        images: the observation's images (PIL images, paths, ``file://`` URLs), one per image
+            placeholder of its text or ``{"type": "image"}`` part of its messages, in order; for
+            a vision-language model (``rollout_episodes(processor=...)``). Message parts may
+            carry their image instead (``{"type": "image", "image": ...}``).
 
     Returns:
-        A named 3-tuple; a plain ``(observation, reward, done)`` tuple is accepted too.
+        A named tuple; a plain ``(observation, reward, done)`` tuple is accepted too.
 
     Example:
         >>> StepResult("407=", 0.2, False).reward
@@ -72,6 +93,11 @@ class StepResult(NamedTuple):
     observation: Any
     reward: float
     done: bool
+    images: Any = None
+
+    def __repr__(self) -> str:  # the images only when there are some
+        images = "" if self.images is None else f", images={self.images!r}"
+        return f"StepResult(observation={self.observation!r}, reward={self.reward!r}, done={self.done!r}{images})"
 
 
 class EpisodeError(TorchforgeError):
@@ -82,7 +108,10 @@ class Environment:
     """Base class of a multi-turn environment; one instance plays one episode.
 
     Override :meth:`reset` and :meth:`step` (either may be ``async def``). Any object with
-    these two methods works too; the base class only documents the contract. Optional
+    these two methods works too; the base class only documents the contract. For a
+    vision-language model, ``reset``'s messages put the row's images where their
+    ``{"type": "image"}`` parts are, and ``step`` may show more (``StepResult(..., images=[...])``,
+    or image parts that carry their image). Optional
     attributes: ``tools`` (a list of JSON schemas or Python functions, passed to the chat
     template as ``tools=``), ``reward_weight`` (the weight of the environment's rewards
     when reward functions are used as well; default 1.0), and ``close()`` (called once
@@ -115,7 +144,8 @@ class Environment:
             row: the dataset row (a dict).
 
         Returns:
-            The prompt text (already rendered), or chat messages.
+            The prompt text (already rendered), or chat messages (their ``{"type": "image"}``
+            parts stand for the row's images, for a vision-language model).
         """
         raise NotImplementedError(f"{type(self).__name__}.reset is not implemented")
 
@@ -126,7 +156,8 @@ class Environment:
             action: the text of the model's turn (special tokens skipped).
 
         Returns:
-            ``StepResult(observation, reward, done)`` or the same as a plain tuple.
+            ``StepResult(observation, reward, done)`` (with ``images=`` for an observation that
+            shows images) or the same as a plain tuple.
         """
         raise NotImplementedError(f"{type(self).__name__}.step is not implemented")
 
@@ -208,9 +239,9 @@ def _gather(futures: Sequence[concurrent.futures.Future], timeout: float | None)
 
 def _step_result(value: Any) -> tuple[StepResult | None, str | None]:
     """Check what ``step`` returned: a StepResult, or the reason it is not one."""
-    if not (isinstance(value, tuple) and len(value) == 3):
+    if not (isinstance(value, tuple) and len(value) in (3, 4)):
         return None, f"returned {value!r}; expected StepResult(observation, reward, done)"
-    observation, reward, done = value
+    observation, reward, done, *images = value
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) and not (
         isinstance(reward, torch.Tensor) and reward.numel() == 1
     ):
@@ -219,7 +250,7 @@ def _step_result(value: Any) -> tuple[StepResult | None, str | None]:
         return None, f"returned reward {float(reward)}; expected a finite float"
     if observation is not None and not isinstance(observation, (str, list)):
         return None, f"returned observation {observation!r}; expected a str, a list of chat messages or None"
-    return StepResult(observation, float(reward), bool(done)), None
+    return StepResult(observation, float(reward), bool(done), images[0] if images else None), None
 
 
 # --- observations to tokens ---------------------------------------------------------------
@@ -240,6 +271,39 @@ def _need_template(tokenizer: Any, what: str) -> None:
         )
 
 
+def _observation_images(observation: Any, given: Any, where: str) -> list[Any]:
+    """An observation's PIL images: those its chat parts carry (``{"type": "image", "image": ...}``),
+    else ``given`` (its ``StepResult.images``, or the row's for the prompt)."""
+    parts = [part for message in (observation if isinstance(observation, list) else [])
+             if isinstance(message, dict) and isinstance(message.get("content"), list)
+             for part in message["content"] if isinstance(part, dict) and part.get("type") == "image"]
+    inline = [next(part[k] for k in ("image", "path", "url") if part.get(k) is not None) for part in parts
+              if any(part.get(k) is not None for k in ("image", "path", "url"))]
+    if inline and given not in (None, []):
+        raise InvalidArgumentError(f"rollout_episodes: {where} carries images in its image parts and as images; "
+                                   "expected one of them")
+    raw = inline or given
+    return load_images(raw, where=f"rollout_episodes: {where}") if raw not in (None, []) else []
+
+
+def _vision_of(processor: Any, text: str, images: list[Any], where: str) -> None:
+    """One-line errors for an observation's images: no processor (a text-only model), or not
+    one image per placeholder of its rendered text."""
+    if images and processor is None:
+        raise InvalidArgumentError(
+            f"rollout_episodes: {where} has {len(images)} image(s) but no processor was given (a text-only model); "
+            "expected text observations, or processor= with a vision-language model"
+        )
+    if processor is None:
+        return
+    placeholders = image_placeholders(processor, text)
+    if placeholders is not None and placeholders != len(images):
+        raise InvalidArgumentError(
+            f"rollout_episodes: {where} renders {placeholders} image placeholder(s) ({processor.image_token!r}) but "
+            f"has {len(images)} image(s); expected one image per placeholder ({{'type': 'image'}} part)"
+        )
+
+
 class _Episode:
     """The state of one episode while it is played."""
 
@@ -255,6 +319,7 @@ class _Episode:
         self.turn_rewards: list[float] = []
         self.env_seconds: list[float] = []
         self.version: int | None = None            # the oldest weights version of its turns
+        self.vision: VisionInputs | None = None    # every image so far, in sequence order
         self.live = True
         self.truncated = False
         self.faulted = False
@@ -270,15 +335,18 @@ class _Episode:
                 logger.warning("rollout_episodes: %s.close() raised %s: %s", type(self.env).__name__,
                                type(error).__name__, error)
 
-    def observation_text(self, tokenizer: Any, observation: Any, action: list[int], stop_ids: Sequence[int]) -> str:
-        """The text of an observation that follows the model's turn ``action`` (to tokenize once, as is)."""
+    def observation_text(self, tokenizer: Any, observation: Any, action: list[int], stop_ids: Sequence[int],
+                         chat: Any = None) -> str:
+        """The text of an observation that follows the model's turn ``action`` (to tokenize once, as is);
+        ``chat`` renders messages (default ``tokenizer``; a VLM's processor)."""
         if isinstance(observation, str):
             return observation
-        _need_template(tokenizer, "an observation")
+        chat = chat if chat is not None else tokenizer
+        _need_template(chat, "an observation")
         history = self.messages if self.messages is not None else []
         history.append({"role": "assistant", "content": tokenizer.decode(action, skip_special_tokens=True)})
-        before = _template(tokenizer, history, self.tools, add_generation_prompt=False)
-        after = _template(tokenizer, history + list(observation), self.tools, add_generation_prompt=True)
+        before = _template(chat, history, self.tools, add_generation_prompt=False)
+        after = _template(chat, history + list(observation), self.tools, add_generation_prompt=True)
         if not after.startswith(before):
             raise InvalidArgumentError(
                 "rollout_episodes: the chat template renders the conversation differently once a message is "
@@ -287,7 +355,7 @@ class _Episode:
             )
         # the template's text after an assistant message (e.g. "<|im_end|>\n"), less the stop
         # token the model sampled itself: the glue between the model's tokens and the observation
-        marked = _template(tokenizer, [*history[:-1], {"role": "assistant", "content": _SENTINEL}], self.tools,
+        marked = _template(chat, [*history[:-1], {"role": "assistant", "content": _SENTINEL}], self.tools,
                            add_generation_prompt=False)
         glue = marked[marked.rfind(_SENTINEL) + len(_SENTINEL):] if _SENTINEL in marked else ""
         if action and action[-1] in stop_ids:
@@ -297,15 +365,16 @@ class _Episode:
         return glue + after[len(before):]
 
 
-def _prompt_text(tokenizer: Any, episode: _Episode, first: Any) -> tuple[str, bool]:
-    """The prompt's text, and whether to add the tokenizer's special tokens when encoding it."""
+def _prompt_text(tokenizer: Any, episode: _Episode, first: Any, chat: Any) -> tuple[str, bool]:
+    """The prompt's text (messages rendered by ``chat``: the tokenizer, or a VLM's processor), and
+    whether to add the tokenizer's special tokens when encoding it."""
     if isinstance(first, str):
         # as rollout() tokenizes a rendered prompt: special tokens only without a chat template
         return first, getattr(tokenizer, "chat_template", None) is None
     if isinstance(first, list):
-        _need_template(tokenizer, "a reset() observation")
+        _need_template(chat, "a reset() observation")
         episode.messages = list(first)
-        return _template(tokenizer, episode.messages, episode.tools, add_generation_prompt=True), False
+        return _template(chat, episode.messages, episode.tools, add_generation_prompt=True), False
     raise EpisodeError(
         f"rollout_episodes: {type(episode.env).__name__}.reset returned {first!r}; expected a str or a "
         "list of chat messages"
@@ -446,6 +515,8 @@ def rollout_episodes(
     seed: int | None = None,
     episode_ids: Sequence[int] | None = None,
     engine: GenerationEngine | None = None,
+    images: Sequence[Sequence[Any]] | None = None,
+    processor: Any = None,
 ) -> tuple[Batch, Episodes]:
     """Play B = N * G multi-turn episodes, one batched generation per turn -> a training Batch.
 
@@ -492,12 +563,21 @@ def rollout_episodes(
         seed: the sampling seed; default drawn from torch's global RNG.
         episode_ids: N global ids of the rows (default 0..N-1): episode ``(i, g)`` gets the
             same samples wherever it runs (another process, another batch).
+        images: N lists of the rows' images (PIL images or paths; [] for a row without), for
+            the prompts a vision-language model reads: one per image placeholder (``{"type":
+            "image"}`` part) of what ``reset`` returns, unless its parts carry their images.
+        processor: a vision-language model's processor: it renders chat messages, and turns
+            the prompt's and the observations' images (``StepResult.images``) into image tokens
+            and vision inputs; the episode's inputs so far go to every turn's sampling and the
+            batch carries them all (``vision``). Images without a processor are an error.
 
     Returns:
         ``(batch, episodes)``: a ``Batch`` of B rows with ``tokens`` [B, T], ``mask`` [B, T]
         (the model's tokens), ``rollout_log_probs`` [B, T] (0 off the mask), ``rewards``
         [B, T] (per turn, as above), ``prompt_tokens`` / ``prompt_mask`` [B, P] and
-        ``truncated`` [B]; and an :class:`Episodes` record (turns, returns, reasons, ...).
+        ``truncated`` [B], with images also ``vision`` (every image of an episode, in order:
+        :func:`torchforge.loop.vision.stack_vision`); and an :class:`Episodes` record (turns,
+        returns, reasons, ...).
 
     Example:
         >>> from torchforge.loop.tiny_model import char_tokenizer, tiny_llama
@@ -540,11 +620,17 @@ def rollout_episodes(
     ids = list(range(N)) if episode_ids is None else [int(i) for i in episode_ids]
     if len(ids) != N:
         raise InvalidArgumentError(f"{fn}: {len(ids)} episode_ids for {N} rows; expected one each")
+    if images is not None and len(images) != N:
+        raise InvalidArgumentError(f"{fn}: {len(images)} image lists for {N} rows; expected one per row")
     inner = unwrap_model(model)
     stop_ids = list(stop_token_ids) if stop_token_ids else completion_stop_ids(tokenizer, inner)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     if seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
+    chat = processor if processor is not None else tokenizer  # what renders chat messages
+    # a sampled image placeholder ended its turn; later turns read a plain token there, as
+    # policy_log_probs does (the model has no image for it)
+    placeholders = set(placeholder_ids(inner)) if processor is not None else set()
 
     # --- reset: the prompts (a reset that fails is a setup error: nothing to train on) -------
     episodes = [_Episode(env) for env in envs]
@@ -552,8 +638,16 @@ def rollout_episodes(
     for b, (ep, (first, _, fault)) in enumerate(zip(episodes, starts)):
         if fault is not None:
             raise EpisodeError(f"{fn}: the reset() of episode {b} ({type(ep.env).__name__}) {fault}")
-    texts, special = zip(*(_prompt_text(tokenizer, ep, first) for ep, (first, _, _) in zip(episodes, starts)))
-    for b, (ep, prompt) in enumerate(zip(episodes, _encode_all(tokenizer, list(texts), list(special)))):
+    texts, special = zip(*(_prompt_text(tokenizer, ep, first, chat) for ep, (first, _, _) in zip(episodes, starts)))
+    prompt_images = []
+    for b, (ep, (first, _, _)) in enumerate(zip(episodes, starts)):
+        where = f"the reset() of episode {b} ({type(ep.env).__name__})"
+        prompt_images.append(_observation_images(first, images[b // G] if images is not None else None, where))
+        _vision_of(processor, texts[b], prompt_images[b], where)
+    encoded = _encode_all(tokenizer, list(texts), list(special))
+    for b, (ep, prompt) in enumerate(zip(episodes, encoded)):
+        if prompt_images[b]:  # through the processor: its image tokens expanded, its vision inputs
+            (prompt,), (ep.vision,) = encode_vision_prompts(processor, [texts[b]], [prompt_images[b]])
         if not prompt:
             raise EpisodeError(f"{fn}: the reset() of episode {b} ({type(ep.env).__name__}) returned a prompt of no tokens")
         ep.prompt = prompt
@@ -568,11 +662,12 @@ def rollout_episodes(
             break
         # one batched call for every live episode (a rank with none samples a stand-in row,
         # so that every rank runs the same generate calls)
-        contexts = [episodes[b].prompt + episodes[b].tokens for b in live] or [[pad_id]]
+        contexts = [episodes[b].prompt + _context(episodes[b], placeholders) for b in live] or [[pad_id]]
+        vision = [episodes[b].vision for b in live] if processor is not None else None
         sample = rollout(model, tokenizer, contexts, num_generations=1, max_new_tokens=max_new,
                          temperature=temperature, top_p=top_p, top_k=top_k, stop_token_ids=stop_ids,
                          seed=_turn_seed(seed, turn), prompt_ids=[global_ids[b] for b in live] or [0],
-                         engine=engine)
+                         engine=engine, vision=(vision or [None]) if vision is not None else None)
         lengths = sample.mask.sum(-1).tolist()
         tokens, log_probs = sample.tokens.tolist(), sample.rollout_log_probs.float().tolist()
         versions = sample.policy_version.tolist()
@@ -593,6 +688,7 @@ def rollout_episodes(
         texts = {b: tokenizer.decode(actions[b], skip_special_tokens=True) for b in live}
         answers = _gather([_call_async(episodes[b].env.step, texts[b]) for b in live], step_timeout)
         observed: dict[int, str] = {}
+        observed_images: dict[int, list[Any]] = {}
         for b, (value, seconds, fault) in zip(live, answers):
             ep = episodes[b]
             ep.env_seconds.append(seconds)
@@ -614,20 +710,38 @@ def rollout_episodes(
                 ep.finish("done")
             elif turn == max_turns - 1:
                 ep.finish("max_turns", truncated=True)
-            elif result.observation is not None:
-                observed[b] = ep.observation_text(tokenizer, result.observation, actions[b], stop_ids)
-        # the observations, tokenized once (in one call) and appended as mask gaps
+            elif result.observation is not None or result.images:
+                where = f"the observation of {type(ep.env).__name__}.step (episode {global_ids[b]}, turn {turn})"
+                observed_images[b] = _observation_images(result.observation, result.images, where)
+                observed[b] = ep.observation_text(tokenizer, result.observation or "", actions[b], stop_ids, chat)
+                _vision_of(processor, observed[b], observed_images[b], where)
+        # the observations, tokenized once (in one call; those with images through the processor)
+        # and appended as mask gaps
         encoded = _encode_all(tokenizer, list(observed.values()), [False] * len(observed))
         for b, observation in zip(observed, encoded):
             ep = episodes[b]
+            seen = None
+            if observed_images[b]:
+                (observation,), (seen,) = encode_vision_prompts(processor, [observed[b]], [observed_images[b]],
+                                                                add_special_tokens=False)
             if len(ep.tokens) + len(observation) >= max_total_tokens:
                 ep.finish("max_total_tokens", truncated=True)
             else:
                 ep.tokens += observation
                 ep.is_model += [False] * len(observation)
                 ep.log_probs += [0.0] * len(observation)
+                ep.vision = join_vision([ep.vision, seen])
 
     return _to_batch(episodes, pad_id, gamma)
+
+
+def _context(episode: _Episode, placeholders: set[int]) -> list[int]:
+    """The episode's tokens after its prompt as the next turn reads them: a sampled image
+    placeholder (which ended its turn) as a plain token, 0, as the training forward has it."""
+    if not placeholders:
+        return episode.tokens
+    return [0 if is_model and token in placeholders else token
+            for token, is_model in zip(episode.tokens, episode.is_model)]
 
 
 def _to_batch(episodes: list[_Episode], pad_id: int, gamma: float) -> tuple[Batch, Episodes]:
@@ -659,6 +773,8 @@ def _to_batch(episodes: list[_Episode], pad_id: int, gamma: float) -> tuple[Batc
         truncated=torch.tensor([ep.truncated for ep in episodes], dtype=torch.bool),
         policy_version=torch.tensor([ep.version or 0 for ep in episodes], dtype=torch.long), batch_size=[B],
     )
+    if any(ep.vision is not None for ep in episodes):
+        batch.vision = stack_vision([ep.vision for ep in episodes])
     record = Episodes(
         turns=torch.tensor([len(ep.turn_ends) for ep in episodes], dtype=torch.long),
         lengths=torch.tensor([len(ep.tokens) for ep in episodes], dtype=torch.long), returns=returns,

@@ -113,6 +113,8 @@ def evaluate(
     batch_size: int | None = None,
     shard: bool = True,
     engine: GenerationEngine | None = None,
+    images: Sequence[Sequence[Any]] | None = None,
+    processor: Any = None,
 ) -> dict[str, float]:
     """Sample and score completions of ``prompts``; mean reward, pass@1 and pass@k.
 
@@ -148,6 +150,10 @@ def evaluate(
         shard: split the prompts over processes (False: this process's prompts are given).
         engine: the generation engine (:mod:`torchforge.loop.engines`); default Hugging Face
             ``generate`` on ``model``.
+        images: N lists of PIL images, one per prompt ([] for a prompt without), for a
+            vision-language model: sampled from as :func:`torchforge.loop.rollout` does (the
+            reward functions get them when ``columns`` holds them, e.g. ``columns["images"]``).
+        processor: the model's processor, with ``images``.
 
     Returns:
         name -> float, the same on every process: ``eval/reward``, ``eval/pass@1``,
@@ -183,6 +189,8 @@ def evaluate(
         if len(values) != len(prompts):
             raise InvalidArgumentError(f"{fn}: columns[{key!r}] has {len(values)} values for {len(prompts)} prompts; "
                                        "expected one per prompt")
+    if images is not None and len(images) != len(prompts):
+        raise InvalidArgumentError(f"{fn}: {len(images)} image lists for {len(prompts)} prompts; expected one per prompt")
 
     # this process's share, padded to the same length on every process so that every
     # process runs the same generate calls (FSDP forwards are collectives); padding rows count for nothing
@@ -200,13 +208,14 @@ def evaluate(
         chunk, keep = ids[start:start + size], torch.tensor(real[start:start + size])
         chunk_prompts = [prompts[i] for i in chunk]
         chunk_columns = {key: [values[i] for i in chunk] for key, values in columns.items()}
+        chunk_images = [images[i] for i in chunk] if images is not None else None
         modes = [("sampled", n, {"temperature": temperature, "top_p": top_p, "top_k": top_k})]
         if greedy:  # top_k=1 keeps only the most likely token: a greedy decode through the same sampler
             modes.append(("greedy", 1, {"temperature": 1.0, "top_p": 1.0, "top_k": 1}))
         for mode, G, sampling in modes:
             batch = rollout(model, tokenizer, chunk_prompts, num_generations=G, max_new_tokens=max_new_tokens,
                             stop_token_ids=stop_token_ids, seed=seed, prompt_ids=chunk, engine=engine,
-                            **sampling)
+                            images=chunk_images, processor=processor, **sampling)
             completions, completion_ids = decode_completions(tokenizer, batch)
             rewards, _ = score_rewards(
                 reward_functions, prompts=[p for p in chunk_prompts for _ in range(G)], completions=completions,

@@ -271,7 +271,8 @@ def policy_log_probs(
             plain, DDP or FSDP2.
         batch: a Batch with ``prompt_tokens``, ``prompt_mask``, ``tokens`` [B, T]; for a
             vision-language model also ``vision`` (:mod:`torchforge.loop.vision`), whose
-            inputs go to the forward (Qwen2-VL's 3D positions are then the model's own).
+            inputs go to the forward (Qwen2-VL's 3D positions are then the model's own); the
+            image tokens of a multi-turn episode's observations (mask gaps) are image slots too.
         temperature: the sampling temperature (the training distribution must be the
             sampling one).
         return_entropy: also return the per-token entropy (with grad when grad is enabled,
@@ -328,10 +329,13 @@ def policy_log_probs(
     else:
         input_ids, attention_mask, position_ids = _model_inputs(batch)
         placeholders = placeholder_ids(inner)
-        if placeholders:  # a sampled image placeholder ended its completion: a plain token in its place
+        if placeholders:  # a sampled image placeholder ended its turn: a plain token in its place
             P0 = batch.prompt_tokens.shape[1]
             sampled = torch.isin(input_ids[:, P0:], torch.tensor(placeholders, device=input_ids.device))
-            input_ids = torch.cat([input_ids[:, :P0], input_ids[:, P0:].masked_fill(sampled, 0)], dim=1)
+            # an observation's image tokens (a mask gap before a later model token) are real image slots
+            mask = batch.mask.to(sampled.device)
+            observation = (~mask & (mask.flip(-1).cumsum(-1).flip(-1) > 0))[:, :-1]
+            input_ids = torch.cat([input_ids[:, :P0], input_ids[:, P0:].masked_fill(sampled & ~observation, 0)], dim=1)
         if vision is not None and uses_mrope(inner):  # 3D positions: the model's own, from the image grids
             position_ids = None
     P = batch.prompt_tokens.shape[1]
@@ -375,19 +379,20 @@ def policy_log_probs(
                 inner.register_forward_hook(fused_head, prepend=True, with_kwargs=True)):
         log_probs, entropy = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            logits_to_keep=1, use_cache=False, **_vision_kwargs(inner, vision, input_ids, P),
+            logits_to_keep=1, use_cache=False, **_vision_kwargs(inner, vision, input_ids),
         )
     return log_probs, entropy
 
 
-def _vision_kwargs(inner: nn.Module, vision: Any, input_ids: torch.Tensor, P: int) -> dict[str, torch.Tensor]:
+def _vision_kwargs(inner: nn.Module, vision: Any, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """The vision inputs of a batch with images (:mod:`torchforge.loop.vision`), as the model's forward
     takes them; {} for a text batch."""
     kwargs = vision_model_inputs(vision)
     if not kwargs:
         return {}
     device = input_ids.device
-    return {**{k: v.to(device) for k, v in kwargs.items()}, **token_type_inputs(inner, input_ids, P)}
+    # every image token left is an image slot (the prompt's, and a multi-turn observation's)
+    return {**{k: v.to(device) for k, v in kwargs.items()}, **token_type_inputs(inner, input_ids, input_ids.shape[1])}
 
 
 # --- the canary: the sampler's log-probs against the trainer's ---------------------------

@@ -96,6 +96,7 @@ def rollout(
     engine: GenerationEngine | None = None,
     images: Sequence[Sequence[Any]] | None = None,
     processor: Any = None,
+    vision: Sequence[Any] | None = None,
 ) -> Batch:
     """Sample ``num_generations`` completions of each prompt with a generation engine.
 
@@ -132,6 +133,10 @@ def rollout(
             by the processor's chat template) go through ``processor``, which expands the
             image tokens; the engine samples with the images (``generate(..., vision=...)``).
         processor: the model's processor, with ``images``.
+        vision: instead of ``images``, N already processed
+            :class:`~torchforge.loop.vision.VisionInputs` (or None), one per token-id prompt
+            whose image tokens are already expanded: a multi-turn episode's context with
+            every image so far (:func:`torchforge.loop.rollout_episodes`).
 
     Returns:
         A ``Batch`` of B rows: ``tokens`` [B, T] (T <= max_new_tokens), ``mask`` [B, T],
@@ -165,7 +170,13 @@ def rollout(
         raise InvalidArgumentError(str(error).replace("SamplingSettings:", f"{fn}:", 1)) from None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
 
-    vision = None
+    if vision is not None:
+        if images is not None:
+            raise InvalidArgumentError(f"{fn}: both images and vision were given; expected images (with string "
+                                       "prompts and a processor) or vision (processed, with token-id prompts)")
+        if len(vision) != len(prompts):
+            raise InvalidArgumentError(f"{fn}: {len(vision)} vision inputs for {len(prompts)} prompts; expected one each")
+        vision = list(vision) if any(v is not None for v in vision) else None
     if images is not None and any(len(i) for i in images):
         from torchforge.loop.vision import encode_vision_prompts
 
@@ -174,6 +185,9 @@ def rollout(
                                        "expected rendered string prompts and the model's processor")
         encoded, vision = encode_vision_prompts(processor, list(prompts), list(images))
     elif isinstance(prompts[0], str):
+        if vision is not None:
+            raise InvalidArgumentError(f"{fn}: vision was given with string prompts; expected token-id prompts "
+                                       "whose image tokens are expanded (strings with images: images=)")
         add_special = getattr(tokenizer, "chat_template", None) is None
         encoded = tokenizer(list(prompts), add_special_tokens=add_special)["input_ids"]
     else:

@@ -43,6 +43,8 @@ __all__ = [
     "load_processor",
     "is_processor",
     "encode_vision_prompts",
+    "join_vision",
+    "image_placeholders",
     "stack_vision",
     "cat_vision",
     "vision_model_inputs",
@@ -310,8 +312,8 @@ def load_processor(folder: str) -> Any:
 
 # --- prompts with images -> token ids and vision inputs ------------------------------------
 
-def encode_vision_prompts(processor: Any, prompts: Sequence[str], images: Sequence[Sequence[Any]]
-                          ) -> tuple[list[list[int]], list[VisionInputs | None]]:
+def encode_vision_prompts(processor: Any, prompts: Sequence[str], images: Sequence[Sequence[Any]], *,
+                          add_special_tokens: bool | None = None) -> tuple[list[list[int]], list[VisionInputs | None]]:
     """Rendered prompts and their images through the processor: token ids with the image
     tokens expanded, and each prompt's vision inputs (None for a prompt without images).
 
@@ -319,6 +321,8 @@ def encode_vision_prompts(processor: Any, prompts: Sequence[str], images: Sequen
         processor: the model's processor.
         prompts: N rendered prompt strings (their image placeholders in place).
         images: N lists of PIL images.
+        add_special_tokens: passed to the processor for a prompt with images (None: the
+            processor's default; False for text appended after others, a multi-turn observation).
 
     Returns:
         ``(prompt_token_ids, vision)``: N lists of ids and N :class:`VisionInputs` or None.
@@ -326,17 +330,56 @@ def encode_vision_prompts(processor: Any, prompts: Sequence[str], images: Sequen
     if len(images) != len(prompts):
         raise InvalidArgumentError(f"encode_vision_prompts: {len(images)} image lists for {len(prompts)} prompts; "
                                    "expected one each")
+    special = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
     ids, vision = [], []
     for prompt, imgs in zip(prompts, images):
         if not imgs:
-            ids.append(processor.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            ids.append(processor.tokenizer(prompt, add_special_tokens=bool(add_special_tokens))["input_ids"])
             vision.append(None)
             continue
-        out = processor(text=[prompt], images=list(imgs), return_tensors="pt")
+        out = processor(text=[prompt], images=list(imgs), return_tensors="pt", **special)
         ids.append(out["input_ids"][0].tolist())
         tensors = {k: v for k, v in out.items() if k not in _TEXT_KEYS + _TOKEN_ALIGNED and isinstance(v, torch.Tensor)}
         vision.append(VisionInputs(list(imgs), tensors))
     return ids, vision
+
+
+def join_vision(parts: Sequence[VisionInputs | None]) -> VisionInputs | None:
+    """One sequence's vision inputs from those of its parts, in order (a multi-turn episode:
+    the prompt's images, then each observation's): the images listed one after the other,
+    each tensor concatenated along its first dim, as the forward reads the images of a
+    sequence in the order their tokens appear.
+
+    Args:
+        parts: :class:`VisionInputs` or None (a part without images), in sequence order.
+
+    Returns:
+        The joined :class:`VisionInputs`, or None when no part has images.
+
+    Example:
+        >>> a = VisionInputs(["im0"], {"pixel_values": torch.zeros(2, 3)})
+        >>> b = VisionInputs(["im1"], {"pixel_values": torch.ones(1, 3)})
+        >>> joined = join_vision([a, None, b])
+        >>> joined.images, joined.tensors["pixel_values"][:, 0].tolist()
+        (['im0', 'im1'], [0.0, 0.0, 1.0])
+    """
+    real = [p for p in parts if p is not None]
+    if not real:
+        return None
+    keys = sorted({k for p in real for k in p.tensors})
+    for p in real:
+        if sorted(p.tensors) != keys:
+            raise InvalidArgumentError(f"join_vision: a part has the vision inputs {sorted(p.tensors)}, another "
+                                       f"{keys}; expected the same processor outputs for every part")
+    return VisionInputs([im for p in real for im in p.images],
+                        {k: torch.cat([p.tensors[k] for p in real]) for k in keys})
+
+
+def image_placeholders(processor: Any, text: str) -> int | None:
+    """How many image placeholders (the processor's ``image_token``) a rendered text holds;
+    None for a processor that names none."""
+    token = getattr(processor, "image_token", None)
+    return text.count(token) if isinstance(token, str) and token else None
 
 
 def stack_vision(rows: Sequence[dict[str, torch.Tensor] | VisionInputs | None]) -> TensorDict | None:

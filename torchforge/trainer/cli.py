@@ -145,6 +145,7 @@ class _Run:
     config: Any  # RLConfig
     model: str | None = None
     dataset: tuple[str, str | None] | None = None  # (path, split): dataset_source
+    train_rows: Any = None  # a JSONL dataset's rows, read once here (image paths resolved); else read when built
     eval_rows: Any = None  # the eval_dataset's rows, read and checked before any model loads
     reward_functions: list[Any] = dataclasses.field(default_factory=list)
     distributed: Any = None  # DistributedConfig or None
@@ -223,10 +224,12 @@ def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
         model = _check_model(run_values["model"])
         from torchforge.trainer.vision_task import check_vision_run
 
+        train_rows = _jsonl_rows(dataset, "dataset")
+        eval_rows = _eval_rows(run_values.get("eval_dataset"), config, demo=False)
         # images: every image file exists, the model takes images and has its processor (before it loads)
-        vision = check_vision_run(model, dataset[0] if dataset else None, config, has_environment=environment is not None)
-        run = _Run(config=config, model=model, dataset=dataset,
-                   eval_rows=_eval_rows(run_values.get("eval_dataset"), config, demo=False),
+        named = [(f"dataset {dataset[0]}", train_rows)] if dataset else []
+        vision = check_vision_run(model, config, [*named, ("eval_dataset", eval_rows)])
+        run = _Run(config=config, model=model, dataset=dataset, train_rows=train_rows, eval_rows=eval_rows,
                    reward_functions=reward_functions_from_settings(rewards), distributed=dist, environment=environment,
                    vision=vision)
     if run.config.prompts_per_step % num_processes:
@@ -245,6 +248,16 @@ def check_run(values: dict[str, Any], *, num_processes: int = 1) -> _Run:
     check_tracker_packages(run.config.report_to)  # report_to: wandb without wandb installed, before any model
     check_writable(run.config.output_dir)
     return run
+
+
+def _jsonl_rows(dataset: tuple[str, str | None] | None, key: str) -> Any:
+    """A JSONL dataset's rows, read once, their relative image paths resolved from the file's
+    folder; None for a ``datasets`` folder (read when the trainer is built) or no dataset."""
+    if dataset is None or not Path(dataset[0]).expanduser().is_file():
+        return None
+    from torchforge.trainer.vision_task import resolve_image_paths
+
+    return resolve_image_paths(read_dataset(dataset[0], key=key), Path(dataset[0]).expanduser().parent)
 
 
 def _eval_rows(setting: Any, config: Any, *, demo: bool) -> Any:
@@ -266,7 +279,9 @@ def _eval_rows(setting: Any, config: Any, *, demo: bool) -> Any:
     from torchforge.trainer.evaluation import check_eval_rows
 
     path, split = dataset_source("eval_dataset", setting, split="test")
-    return check_eval_rows(read_dataset(path, split=split, key="eval_dataset"), "eval_dataset")
+    rows = _jsonl_rows((path, split), "eval_dataset")
+    return check_eval_rows(rows if rows is not None else read_dataset(path, split=split, key="eval_dataset"),
+                           "eval_dataset")
 
 
 def build_trainer(values: dict[str, Any] | _Run):
@@ -289,20 +304,20 @@ def build_trainer(values: dict[str, Any] | _Run):
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars: the command prints its own summary
     reward_functions = run.reward_functions
-    # None: the environment's rows
-    train_dataset = read_dataset(run.dataset[0], split=run.dataset[1]) if run.dataset is not None else None
+    # None: the environment's rows; a JSONL file's rows were read by check_run
+    train_dataset = run.train_rows
+    if train_dataset is None and run.dataset is not None:
+        train_dataset = read_dataset(run.dataset[0], split=run.dataset[1])
     processor = None
     try:
         if run.vision:  # a vision-language model and its processor (torchforge.trainer.vision_task)
             from transformers import AutoModelForImageTextToText
 
             from torchforge.loop.vision import load_processor
-            from torchforge.trainer.vision_task import resolve_image_paths
 
             model = AutoModelForImageTextToText.from_pretrained(run.model)
             processor = load_processor(run.model)
             tokenizer = processor.tokenizer
-            train_dataset = resolve_image_paths(train_dataset, Path(run.dataset[0]).expanduser().parent)
         else:
             model = AutoModelForCausalLM.from_pretrained(run.model)
             tokenizer = AutoTokenizer.from_pretrained(run.model)

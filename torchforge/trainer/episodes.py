@@ -16,6 +16,11 @@ transcript, model and observation text after the prompt, as its ``completion``; 
 that no function applies to adds 0). ``batch.rewards`` is [B], so GRPO's groups are the G
 episodes of a row; PPO places it at the episode's last model token and its GAE skips the
 observation tokens (the mask's gaps).
+
+A vision-language model (``RLTrainer(processor=...)``): a row's ``images`` are the prompt's
+(where ``reset``'s ``{"type": "image"}`` parts put them), an observation may bring more
+(``StepResult(..., images=...)``), the batch carries them all, and the reward functions get
+the row's PIL images as ``images``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class EpisodeRollout(RolloutStrategy):
         environment_factory: makes one environment per episode (``reset(row)``,
             ``step(action)``); its ``reward_weight`` (default 1.0) weighs the environment's
             rewards, and a ``score_episodes`` method, when it has one, scores whole episodes.
+        processor: a vision-language model's processor, or None.
         The other arguments as :class:`~torchforge.trainer.rollouts.RolloutStrategy`'s.
 
     Returns:
@@ -53,18 +59,25 @@ class EpisodeRollout(RolloutStrategy):
     """
 
     environment_factory: Callable[[], Any]
+    processor: Any = None
 
     def __call__(self, rows: list[dict[str, Any]], ids: list[int], engine: GenerationEngine) -> ScoredBatch:
         cfg, G = self.config, self.config.num_generations
         envs = [self.environment_factory() for _ in range(len(rows) * G)]
+        images = None
+        if self.processor is not None:  # the rows' images: the prompts' (torchforge.trainer.vision_task)
+            from torchforge.loop.vision import row_images
+
+            images = [row_images(row, where=f"dataset row {i}") for row, i in zip(rows, ids)]
         with self.autocast():
             batch, record = rollout_episodes(
                 self.model, self.tokenizer, envs, rows=rows, num_generations=G, max_turns=cfg.max_turns,
                 max_new_tokens_per_turn=cfg.max_completion_length, max_total_tokens=cfg.max_total_tokens or NO_LIMIT,
                 step_timeout=cfg.step_timeout, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                stop_token_ids=self.stop_ids, seed=cfg.seed, episode_ids=ids, engine=engine,
+                stop_token_ids=self.stop_ids, seed=cfg.seed, episode_ids=ids, engine=engine, images=images,
+                processor=self.processor,
             )
-        per_function = self._score(batch, self._prompts(batch, rows), rows, record, envs)
+        per_function = self._score(batch, self._prompts(batch, rows), rows, record, envs, images)
         return ScoredBatch(batch, per_function, rows, episodes=record)
 
     def metric_sums(self, scored: ScoredBatch) -> dict[str, torch.Tensor]:
@@ -83,7 +96,7 @@ class EpisodeRollout(RolloutStrategy):
         return [p if isinstance(p, str) else t for p, t in zip((row.get("prompt") for row in rows), text)]
 
     def _score(self, batch: Batch, prompts: list[str], rows: list[dict[str, Any]], record: Episodes,
-               envs: list[Any]) -> dict[str, torch.Tensor]:
+               envs: list[Any], images: list[list[Any]] | None = None) -> dict[str, torch.Tensor]:
         """Set ``batch.rewards`` [B] (environment and reward functions, weighted); return the parts:
         name -> float64 [B] unweighted scores: ``environment`` (its turn rewards and its own
         score), ``environment/<name>`` for each part of that score, and each reward function's."""
@@ -98,9 +111,13 @@ class EpisodeRollout(RolloutStrategy):
         if self.reward_functions:
             ids = [row[:n] for row, n in zip(batch.tokens.tolist(), record.lengths.tolist())]
             transcripts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            columns = self._columns(rows)
+            if images is not None:  # the reward functions see the rows' PIL images
+                columns["images"] = [im for im in images for _ in range(G)]
+                columns.pop("image", None)
             scores, parts = score_rewards(
                 self.reward_functions, prompts=[p for p in prompts for _ in range(G)], completions=transcripts,
-                completion_ids=ids, columns=self._columns(rows), weights=self.config.reward_weights,
+                completion_ids=ids, columns=columns, weights=self.config.reward_weights,
             )
             total = total + scores.nan_to_num(0.0)
             if "environment" in parts:

@@ -9,6 +9,10 @@ one JSON line: :func:`torchforge.trainer.evaluation.evaluate_dataset`, which als
 :mod:`torchforge.trainer.run_config` (a run's YAML works as is); the ones used are
 ``num_eval_generations``, ``eval_correct_threshold``, ``max_completion_length``,
 ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``, ``reward_weights`` and ``seed``.
+
+A vision-language model folder (its ``config.json`` has a ``vision_config``) loads with
+``AutoModelForImageTextToText`` and its processor, and the rows' images (paths relative to
+the JSONL file) are rendered as in training; every image file is checked before the model loads.
 """
 
 from __future__ import annotations
@@ -61,7 +65,24 @@ def add_eval_parser(commands: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _load(model_dir: str) -> tuple[Any, Any]:
+def _read_rows(dataset: str, model_dir: str, config: Any) -> tuple[Any, bool]:
+    """The dataset's rows (a JSONL file's image paths resolved from its folder) and whether the
+    model is a vision-language model: one-line errors for a missing image file, images for a
+    text-only model, a VLM without its processor or with an engine that takes no images."""
+    from torchforge.trainer.vision_task import check_vision_run, resolve_image_paths
+
+    rows = read_dataset(dataset)
+    if Path(dataset).expanduser().is_file():
+        rows = resolve_image_paths(rows, Path(dataset).expanduser().parent)
+    vlm = check_vision_run(model_dir, None, [(f"dataset {dataset}", rows)], fn="torchforge eval")
+    if vlm and config.engine != "hf":
+        raise InvalidArgumentError(f"torchforge eval: engine={config.engine!r} with a vision-language model: only 'hf' "
+                                   "samples from images here; expected engine='hf'")
+    return rows, vlm
+
+
+def _load(model_dir: str, *, vision: bool = False) -> tuple[Any, Any, Any]:
+    """``(model, tokenizer, processor)``; the processor is None for a text model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from torchforge.trainer.lora import is_adapter_folder, load_adapter_model
@@ -69,8 +90,15 @@ def _load(model_dir: str) -> tuple[Any, Any]:
     path = Path(model_dir).expanduser()
     if not path.is_dir():
         raise InvalidArgumentError(f"torchforge eval: --model {model_dir!r} is not a folder; expected a saved model")
+    if vision:
+        from transformers import AutoModelForImageTextToText
+
+        from torchforge.loop.vision import load_processor
+
+        processor = load_processor(str(path))
+        return AutoModelForImageTextToText.from_pretrained(path).eval(), processor.tokenizer, processor
     model = load_adapter_model(path) if is_adapter_folder(path) else AutoModelForCausalLM.from_pretrained(path)
-    return model, AutoTokenizer.from_pretrained(path)
+    return model, AutoTokenizer.from_pretrained(path), None
 
 
 def eval_main(args: argparse.Namespace) -> int:
@@ -104,8 +132,8 @@ def eval_main(args: argparse.Namespace) -> int:
         # the run's reward_timeout / reward_processes: a grader that hangs costs a sample, not the eval
         reward_functions = guard_rewards(reward_functions_from_settings(paths), timeout=config.reward_timeout,
                                          processes=config.reward_processes, failure_reward=config.reward_on_failure)
-        dataset = read_dataset(args.dataset)
-        model, tokenizer = _load(args.model)
+        dataset, vision = _read_rows(args.dataset, args.model, config)
+        model, tokenizer, processor = _load(args.model, vision=vision)
     except InvalidArgumentError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -119,7 +147,8 @@ def eval_main(args: argparse.Namespace) -> int:
 
             weights = merged_weights(model) if is_peft_model(model) else None
             engine = make_engine(config.engine, model, tokenizer, engine_args=config.engine_args, weights=weights)
-        metrics = evaluate_dataset(model, tokenizer, dataset, reward_functions, config, engine=engine)
+        metrics = evaluate_dataset(model, tokenizer, dataset, reward_functions, config, engine=engine,
+                                   processor=processor)
         if engine is not None and callable(getattr(engine, "close", None)):
             engine.close()
         main_process = is_main_process()

@@ -4,7 +4,9 @@
 reward functions and calls :func:`torchforge.loop.evaluate` with the config's evaluation
 and sampling settings (``num_eval_generations``, ``eval_correct_threshold``,
 ``max_completion_length``, ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``,
-``reward_weights``, ``seed``).
+``reward_weights``, ``seed``). With a vision-language model's processor the rows are
+rendered as for training (:func:`torchforge.trainer.vision_task.row_prompt_and_images`):
+the images go to the model, and the reward functions get them as ``images``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def check_eval_rows(dataset: Any, caller: str) -> Any:
 
 def evaluate_dataset(model: Any, tokenizer: Any, dataset: Any, reward_functions: Sequence[Callable], config: Any, *,
                      render: Callable[[Any], str] | None = None, stop_token_ids: Sequence[int] | None = None,
-                     engine: Any = None) -> dict[str, float]:
+                     engine: Any = None, processor: Any = None) -> dict[str, float]:
     """:func:`torchforge.loop.evaluate` over a dataset's rows with an ``RLConfig``'s settings.
 
     Args:
@@ -49,6 +51,8 @@ def evaluate_dataset(model: Any, tokenizer: Any, dataset: Any, reward_functions:
         render: prompt -> text (default: :func:`render_prompt` with ``tokenizer``).
         stop_token_ids: ids that end a completion (default the config's and eos).
         engine: the generation engine (default Hugging Face ``generate`` on ``model``).
+        processor: a vision-language model's processor: each row's prompt and images through
+            it, as in training (``render`` is then not used); None for a text model.
 
     Returns:
         The ``eval/...`` metrics, the same on every process.
@@ -64,13 +68,23 @@ def evaluate_dataset(model: Any, tokenizer: Any, dataset: Any, reward_functions:
     """
     dataset = check_eval_rows(dataset, "evaluate")
     rows = [dict(dataset[i]) for i in range(len(dataset))]
-    render = render or (lambda prompt: render_prompt(tokenizer, prompt, caller="evaluate"))
     columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"}
+    images = None
+    if processor is not None:  # the rows as training renders them; the reward functions see PIL images
+        from torchforge.trainer.vision_task import row_prompt_and_images
+
+        rendered = [row_prompt_and_images(processor, row, f"eval_dataset row {i}") for i, row in enumerate(rows)]
+        prompts, images = [p for p, _ in rendered], [im for _, im in rendered]
+        columns.pop("image", None)
+        columns["images"] = images
+    else:
+        render = render or (lambda prompt: render_prompt(tokenizer, prompt, caller="evaluate"))
+        prompts = [render(row["prompt"]) for row in rows]
     return evaluate(
-        model, tokenizer, [render(row["prompt"]) for row in rows], reward_functions,
+        model, tokenizer, prompts, reward_functions,
         num_generations=config.num_eval_generations, max_new_tokens=config.max_completion_length,
         columns=columns, weights=config.reward_weights, correct_threshold=config.eval_correct_threshold,
         temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
         stop_token_ids=stop_token_ids or completion_stop_ids(tokenizer, model, config.stop_token_ids), seed=config.seed,
-        engine=engine,
+        engine=engine, images=images, processor=processor,
     )

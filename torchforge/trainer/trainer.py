@@ -316,8 +316,7 @@ class RLTrainer:
             train_dataset = train_dataset if train_dataset is not None else demo.copy_digits_dataset(4096, seed=config.seed)
         # a vision-language model: its processor (given, or as the tokenizer), images checked
         tokenizer, self.vision = vision_task(model, tokenizer, processor, train_dataset, config,
-                                             has_environment=self.environment_factory is not None,
-                                             has_eval=self.eval_dataset is not None)
+                                             eval_dataset=self.eval_dataset)
         if tokenizer is None:
             raise InvalidArgumentError(f"{fn}: tokenizer is None; expected the model's tokenizer")
         if not reward_functions and self.environment_factory is None:
@@ -446,7 +445,7 @@ class RLTrainer:
         parts = dict(config=self.config, model=self.model, tokenizer=self.tokenizer, stop_ids=self.stop_ids,
                      reward_functions=self.reward_functions, autocast=self._autocast_context, device=self.device)
         if self.environment_factory is not None:
-            return EpisodeRollout(**parts, environment_factory=self.environment_factory)
+            return EpisodeRollout(**parts, environment_factory=self.environment_factory, processor=self.vision.processor)
         return SingleTurnRollout(**parts, processor=self.vision.processor)
 
     def close_engine(self) -> None:
@@ -910,7 +909,7 @@ class RLTrainer:
         with self._sampling_lock, self._autocast_context():
             metrics = evaluate_dataset(self.model, self.tokenizer, self.eval_dataset, self.reward_functions,
                                        self.config, render=partial(render_prompt, self.tokenizer),
-                                       stop_token_ids=self.stop_ids, engine=engine)
+                                       stop_token_ids=self.stop_ids, engine=engine, processor=self.vision.processor)
             self._pop_reward_failures()  # an evaluation's failures are not a training step's
         return metrics
 

@@ -7,10 +7,14 @@ renders the prompt and expands the image tokens; the reward functions receive th
 as their ``images`` keyword. The vision tower (and projector) is frozen unless
 ``RLConfig.train_vision_tower``; with LoRA it then gets no adapters either.
 
+Multi-turn environments take images too (the row's for the prompt, ``StepResult.images``
+for an observation: :func:`torchforge.loop.rollout_episodes`), and so does evaluation
+(``eval_dataset``, ``torchforge eval``: the rows rendered as for training, :func:`row_prompt_and_images`).
+
 What is checked here, in one line each and before any step (the CLI checks the model folder
 and the image files before the model loads, :func:`check_vision_run`): images for a
-text-only model, a VLM without a processor, ``padding_free``, an engine or a trainer part
-that does not take images (vLLM, multi-turn environments, ``eval_dataset``).
+text-only model, a VLM without a processor, ``padding_free``, an engine that does not take
+images (vLLM).
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from torchforge.loop.vision import (
     vision_tower_parameters,
 )
 
-__all__ = ["VisionTask", "vision_task", "check_vision_run", "chat_with_images", "resolve_image_paths",
-           "freeze_vision_tower", "lora_without_vision_tower"]
+__all__ = ["VisionTask", "vision_task", "check_vision_run", "chat_with_images", "row_prompt_and_images",
+           "resolve_image_paths", "freeze_vision_tower", "lora_without_vision_tower"]
 
 
 class VisionTask:
@@ -52,23 +56,26 @@ class VisionTask:
         return self.processor is not None
 
 
-def _refusals(config: Any, *, has_environment: bool, has_eval: bool, fn: str) -> None:
+def _refusals(config: Any, *, fn: str) -> None:
     if config.padding_free:
         raise InvalidArgumentError(f"{fn}: padding_free=True with a vision-language model: its image inputs do not "
                                    "pack exactly; expected padding_free=False")
     if config.engine != "hf":
         raise InvalidArgumentError(f"{fn}: engine={config.engine!r} with a vision-language model: only 'hf' samples "
                                    "from images here; expected engine='hf'")
-    if has_environment:
-        raise InvalidArgumentError(f"{fn}: an environment_factory with a vision-language model: multi-turn episodes "
-                                   "do not take images yet; expected single-turn prompts")
-    if has_eval:
-        raise InvalidArgumentError(f"{fn}: eval_dataset with a vision-language model: evaluation does not take "
-                                   "images yet; expected eval_dataset=None")
+
+
+def _has_images(rows: Any, name: str) -> bool:
+    """Whether a dataset's rows carry images (a ``datasets.Dataset``: its columns, no image decoded)."""
+    if rows is None:
+        return False
+    if hasattr(rows, "column_names"):
+        return bool({"images", "image"} & set(rows.column_names))
+    return check_dataset_images(rows, name=name)
 
 
 def vision_task(model: nn.Module, tokenizer: Any, processor: Any, train_dataset: Any, config: Any, *,
-                has_environment: bool = False, has_eval: bool = False) -> tuple[Any, VisionTask]:
+                eval_dataset: Any = None) -> tuple[Any, VisionTask]:
     """Check a trainer's model, tokenizer / processor and rows for images; the tokenizer to use and the task.
 
     Args:
@@ -77,8 +84,7 @@ def vision_task(model: nn.Module, tokenizer: Any, processor: Any, train_dataset:
         processor: the processor, or None.
         train_dataset: the rows.
         config: the run's RLConfig.
-        has_environment: an environment factory was given.
-        has_eval: an eval_dataset was given.
+        eval_dataset: the evaluation rows, or None.
 
     Returns:
         ``(tokenizer, VisionTask)``.
@@ -92,51 +98,46 @@ def vision_task(model: nn.Module, tokenizer: Any, processor: Any, train_dataset:
     tokenizer = processor.tokenizer if processor is not None and (tokenizer is None or tokenizer is processor) \
         else tokenizer
     vlm = is_vision_config(getattr(model, "config", None))
-    if hasattr(train_dataset, "column_names"):  # a datasets.Dataset: its columns (no image decoded)
-        has_images = bool({"images", "image"} & set(train_dataset.column_names))
-    else:
-        has_images = train_dataset is not None and check_dataset_images(train_dataset, name="train_dataset")
-    if has_images and not vlm:
-        raise InvalidArgumentError(f"{fn}: the train_dataset's rows have images but the model "
-                                   f"({type(model).__name__}) is text-only; expected a vision-language model")
+    for name, rows in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+        if _has_images(rows, name) and not vlm:
+            raise InvalidArgumentError(f"{fn}: the {name}'s rows have images but the model "
+                                       f"({type(model).__name__}) is text-only; expected a vision-language model")
     if not vlm:
         return tokenizer, VisionTask()
     if processor is None:
         raise InvalidArgumentError(f"{fn}: {type(model).__name__} is a vision-language model but no processor was "
                                    "given; expected RLTrainer(processor=AutoProcessor.from_pretrained(...))")
-    _refusals(config, has_environment=has_environment, has_eval=has_eval, fn=fn)
+    _refusals(config, fn=fn)
     return tokenizer, VisionTask(processor)
 
 
-def check_vision_run(model: str, dataset: str | None, config: Any, *, has_environment: bool) -> bool:
-    """The CLI's checks before the model loads: the image files of a JSONL dataset exist, the
+def check_vision_run(model: str, config: Any, datasets: Any = (), *, fn: str = "torchforge train") -> bool:
+    """The CLI's checks before the model loads: the image files of the datasets exist, the
     model takes images, a VLM folder has its processor, the settings suit a VLM.
 
     Args:
         model: the model folder (a hub id is not read: False).
-        dataset: the dataset path (a JSONL file's image paths are checked), or None.
-        config: the run's RLConfig.
-        has_environment: the run has an environment.
+        config: the run's RLConfig (None: no settings to check, ``torchforge eval``).
+        datasets: ``(name, rows)`` pairs, the rows already read (a JSONL file's, their image
+            paths resolved: :func:`resolve_image_paths`; a ``datasets.Dataset``; or None).
+        fn: the command errors name.
 
     Returns:
         Whether the model is a VLM.
     """
     has_images = False
-    if dataset is not None and Path(dataset).expanduser().is_file():
-        from torchforge.trainer.run_config import read_dataset
-
-        path = Path(dataset).expanduser()
-        has_images = check_dataset_images(read_dataset(str(path)), base=path.parent, name=f"dataset {dataset}")
+    for name, rows in datasets:
+        has_images = _has_images(rows, name) or has_images  # every dataset's files checked
     if not Path(model).expanduser().is_dir():
         return False
     vlm = check_vision_model_folder(str(Path(model).expanduser()), has_images=has_images)
-    if vlm:
-        _refusals(config, has_environment=has_environment, has_eval=False, fn="torchforge train")
+    if vlm and config is not None:
+        _refusals(config, fn=fn)
     return vlm
 
 
 def resolve_image_paths(rows: Any, base: str | Path) -> Any:
-    """A JSONL dataset's rows with relative image paths made absolute (from the file's folder).
+    """A JSONL dataset's rows with relative image paths (``images``, ``image``) made absolute (from the file's folder).
 
     Args:
         rows: a list of dicts.
@@ -155,9 +156,10 @@ def resolve_image_paths(rows: Any, base: str | Path) -> Any:
 
     out = []
     for row in rows:
-        images = row.get("images") if isinstance(row, dict) else None
-        if isinstance(images, (str, list)):
-            row = {**row, "images": [resolve(i) for i in images] if isinstance(images, list) else resolve(images)}
+        for key in ("images", "image"):
+            images = row.get(key) if isinstance(row, dict) else None
+            if isinstance(images, (str, list)):
+                row = {**row, key: [resolve(i) for i in images] if isinstance(images, list) else resolve(images)}
         out.append(row)
     return out
 
@@ -183,7 +185,17 @@ def chat_with_images(prompt: Any, n_images: int) -> Any:
 
 
 def row_prompt_and_images(processor: Any, row: dict[str, Any], where: str) -> tuple[str, list[Any]]:
-    """A row's rendered prompt (the processor's chat template) and its PIL images."""
+    """A row's rendered prompt (the processor's chat template) and its PIL images, for training
+    and evaluation alike.
+
+    Args:
+        processor: the model's processor.
+        row: a dataset row (``prompt``, and ``images`` or ``image``).
+        where: what an error names (``dataset row 3``).
+
+    Returns:
+        ``(prompt text, PIL images)``.
+    """
     from torchforge.trainer.rollouts import render_prompt
 
     images = row_images(row, where=where)
