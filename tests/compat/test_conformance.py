@@ -130,6 +130,20 @@ def test_verl_policy_losses(name, mode, fails, why):
     _expect(lambda: check_policy_loss(fn, aggregation=mode, max_examples=EXAMPLES), fails)
 
 
+def test_verl_bypass_mode():
+    """bypass_mode (verl's default correction, sequence IS weights): the rollout correction
+    raises on a mask with no token; with that case answered 0 by the caller, it passes."""
+    fn = _verl_policy_loss("bypass_mode", "token-mean")
+    with pytest.raises(ValueError, match="at least one valid token"):
+        check_policy_loss(fn, aggregation="token-mean", max_examples=EXAMPLES)
+
+    def guarded(log_probs, old_log_probs, advantages, mask):
+        if not mask.any():
+            return torch.where(mask, log_probs, 0.0).sum() * 0, {}
+        return fn(log_probs, old_log_probs, advantages, mask)
+    check_policy_loss(guarded, aggregation="token-mean", max_examples=EXAMPLES)
+
+
 def _verl_agg_loss(clamp_counts: bool):
     ca = _core_algos()
 

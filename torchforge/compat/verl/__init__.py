@@ -7,7 +7,9 @@ return shapes::
 
 The advantage estimators (with ``compute_rewards`` and ``kl_penalty``) live in
 :mod:`.advantages`, the policy, value and entropy losses (with ``agg_loss``) in
-:mod:`.losses`; both are re-exported here. Nothing here imports verl: a verl ``config``
+:mod:`.losses`, verl's ``rollout_corr_helper`` (IS weights, rejection masks and their
+metrics, which ``bypass_mode`` computes) in :mod:`.rollout_correction`; all are re-exported
+here. Nothing here imports verl: a verl ``config``
 (OmegaConf, verl's ``AlgoConfig`` / ``ActorConfig``) is read by attribute or key.
 """
 
@@ -15,5 +17,7 @@ from .advantages import *  # noqa: F401,F403
 from .advantages import __all__ as _advantages_all
 from .losses import *  # noqa: F401,F403
 from .losses import __all__ as _losses_all
+from .rollout_correction import *  # noqa: F401,F403
+from .rollout_correction import __all__ as _rollout_correction_all
 
-__all__ = [*_advantages_all, *_losses_all]
+__all__ = [*_advantages_all, *_losses_all, *_rollout_correction_all]

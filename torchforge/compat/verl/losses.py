@@ -35,6 +35,8 @@ verl ``core_algos``                 torchforge
 ``compute_policy_loss_dppo_kl``     DPPO's trust-region mask (computed here: no native DPPO)
 ``compute_policy_loss_dro``         ``reinforce_loss`` plus ``dro_beta`` times the k2 of
                                     :func:`~torchforge.kl.approx_kl`
+``compute_policy_loss_bypass_mode``  ``compute_policy_loss_vanilla`` or ``_reinforce`` on the mask and
+                                    weights of :mod:`.rollout_correction` (verl's ``rollout_corr_helper``)
 ``compute_value_loss``              :func:`~torchforge.value_losses.value_loss` (``clip=cliprange_value``)
 ``compute_entropy_loss``            :func:`~torchforge.log_probs.token_entropy`, then ``agg_loss``
 ``get_policy_loss_fn``              the twin registered under verl's name
@@ -90,6 +92,7 @@ __all__ = [
     "agg_loss",
     "compute_entropy_loss",
     "compute_policy_loss",
+    "compute_policy_loss_bypass_mode",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
     "compute_policy_loss_dppo_kl",
@@ -802,6 +805,93 @@ def compute_policy_loss_reinforce(
     return pg_loss, {"actor/ppo_kl": _ppo_kl(log_ratio, mask)}
 
 
+def compute_policy_loss_bypass_mode(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's ``bypass_mode`` policy loss: the rollout's log-probs as pi_old, with verl's
+    rollout correction between them and the current policy.
+
+    In bypass mode ``old_log_prob`` *is* the generation engine's. Under no gradient,
+    :func:`~torchforge.compat.verl.rollout_correction.compute_rollout_correction_and_rejection_mask`
+    of ``log_prob`` against it gives the IS weights and the rejection mask of
+    ``config.policy_loss.rollout_correction``; then
+
+    - ``loss_type="ppo_clip"`` (default): :func:`compute_policy_loss_vanilla` on the
+      rejected mask, without the weights (the clipped ratio pi / pi_rollout is already the
+      correction; the weights would count it twice);
+    - ``loss_type="reinforce"``: :func:`compute_policy_loss_reinforce` on the rejected
+      mask, times the weights.
+
+    The rejection changes the mask, so a rejected token leaves the token-mean's
+    denominator (verl's choice; the native ``ratio_mask`` returns weights and keeps the
+    mask instead).
+
+    Args:
+        old_log_prob: [B, T] float log pi_rollout (the generation engine's).
+        log_prob: [B, T] float log pi (carries grad).
+        advantages: [B, T] (or [B]) float.
+        response_mask: [B, T] 0/1 mask counting at least one token (verl's rollout
+            correction raises on an empty one; so does this).
+        loss_agg_mode: one of ``LOSS_AGG_MODES``.
+        config: verl's ``ActorConfig`` (or a mapping / object with its fields), required:
+            the fields of :func:`compute_policy_loss_vanilla` and
+            ``policy_loss.rollout_correction`` (``loss_type``, ``rollout_is``,
+            ``rollout_is_threshold``, ``rollout_is_batch_normalize``, ``rollout_rs``,
+            ``rollout_rs_threshold``).
+        rollout_is_weights: ignored, as in verl (the weights are computed here).
+
+    Returns:
+        ``(pg_loss, pg_metrics)``: the loss's metrics and every ``rollout_corr/`` metric.
+
+    Example:
+        >>> import torch
+        >>> config = {"policy_loss": {"rollout_correction": {"loss_type": "reinforce", "rollout_is": "token"}}}
+        >>> rollout, lp = torch.log(torch.tensor([[0.2, 0.3]])), torch.log(torch.tensor([[0.6, 0.3]]))
+        >>> pg_loss, m = compute_policy_loss_bypass_mode(rollout, lp, torch.ones(1, 2), torch.ones(1, 2),
+        ...                                              "token-sum", config)
+        >>> pg_loss                          # IS weights min(3, 2) and 1: -(2 log 0.6 + log 0.3)
+        tensor(2.2256)
+
+    References:
+        verl's rollout correction, https://verl.readthedocs.io/en/latest/algo/rollout_corr.html;
+        F. Yao et al., https://fengyao.notion.site/off-policy-rl
+    """
+    from .rollout_correction import _field, _rollout_correction_config, compute_rollout_correction_and_rejection_mask
+
+    fn = _PREFIX + "compute_policy_loss_bypass_mode"
+    correction = None if config is None else _rollout_correction_config(config)
+    if correction is None:
+        raise InvalidArgumentError(
+            f"{fn}: needs config.policy_loss.rollout_correction (verl's RolloutCorrectionConfig or a mapping), "
+            f"got config={type(config).__name__}")
+    loss_type = _field(correction, "loss_type", "ppo_clip")
+    check_choice(fn, "config.policy_loss.rollout_correction.loss_type", loss_type, ("ppo_clip", "reinforce"))
+    with torch.no_grad():
+        weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
+            log_prob, old_log_prob, response_mask,
+            rollout_is=_field(correction, "rollout_is", None),
+            rollout_is_threshold=_field(correction, "rollout_is_threshold", 2.0),
+            rollout_is_batch_normalize=_field(correction, "rollout_is_batch_normalize", False),
+            rollout_rs=_field(correction, "rollout_rs", None),
+            rollout_rs_threshold=_field(correction, "rollout_rs_threshold", None),
+        )
+    if loss_type == "reinforce":
+        weights = None if weights is None else weights.batch["rollout_is_weights"]
+        pg_loss, pg_metrics = compute_policy_loss_reinforce(old_log_prob, log_prob, advantages, mask, loss_agg_mode,
+                                                            config, weights)
+    else:
+        pg_loss, pg_metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, mask, loss_agg_mode,
+                                                          config, None)
+    pg_metrics.update(metrics)
+    return pg_loss, pg_metrics
+
+
 # --- Clip-Cov and KL-Cov -----------------------------------------------------------------------------
 
 def compute_policy_loss_clip_cov(
@@ -1040,6 +1130,7 @@ POLICY_LOSS_REGISTRY = {
     "geo_mean": compute_policy_loss_geo_mean,
     "dro": compute_policy_loss_dro,
     "cispo": compute_policy_loss_cispo,
+    "bypass_mode": compute_policy_loss_bypass_mode,
 }
 
 
