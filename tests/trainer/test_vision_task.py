@@ -264,6 +264,39 @@ def test_torchforge_eval_scores_a_vlm_folder_on_image_rows(vlm_run, tmp_path, ca
     assert printed == pytest.approx(direct, rel=1e-6)
 
 
+def test_a_lora_vlm_run_exports_its_adapters_and_merged_model_and_torchforge_eval_scores_both(vlm_run, tmp_path,
+                                                                                            capsys):
+    """LoRA on a VLM from the command line: final/ (the adapters and the processor) and
+    final-merged/ (lora.merge) load as vision-language models; the merged model's logits
+    equal the adapter model's, and torchforge eval scores both folders alike."""
+    pytest.importorskip("peft", reason="LoRA needs peft")
+    from transformers import AutoModelForImageTextToText
+
+    from torchforge.trainer.lora import adapter_base_model, load_adapter_model
+
+    settings = {**vlm_run, "max_steps": 1, "lora": {"rank": 2, "merge": True}, "learning_rate": 0.05}
+    assert main(["train", *(f"{k}={json.dumps(v)}" for k, v in settings.items())]) == 0
+    final, merged = tmp_path / "out" / "final", tmp_path / "out" / "final-merged"
+    assert adapter_base_model(final) == vlm_run["model"] and (final / "processor_config.json").is_file()
+    adapted = load_adapter_model(final)
+    plain = AutoModelForImageTextToText.from_pretrained(merged).eval()
+    base = AutoModelForImageTextToText.from_pretrained(vlm_run["model"]).eval()
+    _, processor = tiny_qwen2_vl(seed=0)
+    inputs = processor(text=["<|vision_start|><|image_pad|><|vision_end|> what colour is the image ?"],
+                       images=[Image.new("RGB", (56, 56), "red")], return_tensors="pt")
+    with torch.no_grad():
+        logits = [m(**inputs).logits for m in (adapted, plain, base)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    assert (logits[0] - logits[2]).abs().max() > 1e-4  # the adapters trained: not the base model
+    scores = []
+    for folder in (final, merged):
+        capsys.readouterr()
+        assert main(["eval", "--model", str(folder), "--dataset", vlm_run["dataset"], "--reward-function",
+                     vlm_run["reward_functions"][0], "num_eval_generations=2", "max_completion_length=3"]) == 0
+        scores.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert scores[0]["eval/num_prompts"] == 4.0 and scores[0] == pytest.approx(scores[1], rel=1e-6)
+
+
 def test_an_image_eval_dataset_is_read_once_and_checked_before_the_model_loads(vlm_run, tmp_path, capsys, no_load):
     from torchforge.trainer import cli
 

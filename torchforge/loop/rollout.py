@@ -209,7 +209,7 @@ def rollout(
 
         if "vision" not in inspect.signature(engine.generate).parameters:
             raise InvalidArgumentError(f"{fn}: the prompts have images but {type(engine).__name__}.generate takes no "
-                                       "vision=; expected an engine that samples from images (HFEngine, VLLMEngine)")
+                                       "vision=; expected an engine that samples from images (HFEngine)")
         vision = [v for v in vision for _ in range(G)]
         completions = engine.generate(requests, seeds=request_seeds(seed, ids, G), settings=settings, vision=vision)
     if len(completions) != len(requests):

@@ -39,6 +39,7 @@ __all__ = [
     "check_dataset_images",
     "is_vision_config",
     "check_vision_model_folder",
+    "is_processor_folder",
     "images_processor",
     "load_processor",
     "is_processor",
@@ -210,6 +211,11 @@ def is_vision_config(config: Any) -> bool:
 _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
+def is_processor_folder(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a saved processor (``processor_config.json`` or ``preprocessor_config.json``)."""
+    return any((Path(folder) / f).is_file() for f in _PROCESSOR_FILES)
+
+
 def check_vision_model_folder(folder: str, *, has_images: bool) -> bool:
     """One-line errors, before the model loads: images for a text-only model, a VLM without
     a processor config. Returns whether the model is a VLM.
@@ -234,7 +240,7 @@ def check_vision_model_folder(folder: str, *, has_images: bool) -> bool:
             f"the dataset's rows have images but model {folder!r} is text-only (its config.json has no "
             "vision_config, model_type {!r}); expected a vision-language model".format(config.get("model_type"))
         )
-    if vision and not any((path / f).is_file() for f in _PROCESSOR_FILES):
+    if vision and not is_processor_folder(path):
         raise InvalidArgumentError(
             f"model {folder!r} is a vision-language model ({config.get('model_type')!r}) without a processor: no "
             f"{' or '.join(_PROCESSOR_FILES)} in the folder; expected its processor saved beside it "

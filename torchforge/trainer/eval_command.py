@@ -71,10 +71,14 @@ def _read_rows(dataset: str, model_dir: str, config: Any) -> tuple[Any, bool]:
     text-only model, a VLM without its processor or with an engine that takes no images."""
     from torchforge.trainer.vision_task import check_vision_run, resolve_image_paths
 
+    from torchforge.trainer.lora import adapter_base_model, is_adapter_folder
+
     rows = read_dataset(dataset)
     if Path(dataset).expanduser().is_file():
         rows = resolve_image_paths(rows, Path(dataset).expanduser().parent)
-    vlm = check_vision_run(model_dir, None, [(f"dataset {dataset}", rows)], fn="torchforge eval")
+    path = Path(model_dir).expanduser()
+    model_folder = adapter_base_model(path) if is_adapter_folder(path) else model_dir  # an adapter: its base's config
+    vlm = check_vision_run(model_folder, None, [(f"dataset {dataset}", rows)], fn="torchforge eval")
     if vlm and config.engine != "hf":
         raise InvalidArgumentError(f"torchforge eval: engine={config.engine!r} with a vision-language model: only 'hf' "
                                    "samples from images here; expected engine='hf'")
@@ -85,19 +89,23 @@ def _load(model_dir: str, *, vision: bool = False) -> tuple[Any, Any, Any]:
     """``(model, tokenizer, processor)``; the processor is None for a text model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from torchforge.trainer.lora import is_adapter_folder, load_adapter_model
+    from torchforge.trainer.lora import adapter_base_model, is_adapter_folder, load_adapter_model
 
     path = Path(model_dir).expanduser()
     if not path.is_dir():
         raise InvalidArgumentError(f"torchforge eval: --model {model_dir!r} is not a folder; expected a saved model")
+    adapter = is_adapter_folder(path)
     if vision:
         from transformers import AutoModelForImageTextToText
 
-        from torchforge.loop.vision import load_processor
+        from torchforge.loop.vision import is_processor_folder, load_processor
 
-        processor = load_processor(str(path))
-        return AutoModelForImageTextToText.from_pretrained(path).eval(), processor.tokenizer, processor
-    model = load_adapter_model(path) if is_adapter_folder(path) else AutoModelForCausalLM.from_pretrained(path)
+        # a LoRA run's final/ holds the processor beside the adapters; else the base model's
+        folder = path if not adapter or is_processor_folder(path) else adapter_base_model(path)
+        processor = load_processor(str(folder))
+        model = load_adapter_model(path) if adapter else AutoModelForImageTextToText.from_pretrained(path).eval()
+        return model, processor.tokenizer, processor
+    model = load_adapter_model(path) if adapter else AutoModelForCausalLM.from_pretrained(path)
     return model, AutoTokenizer.from_pretrained(path), None
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "merged_weights",
     "is_adapter_folder",
     "is_peft_model",
+    "adapter_base_model",
     "load_adapter_model",
     "lora_config",
     "require_peft",
@@ -347,11 +348,9 @@ def export_merged(model: nn.Module, tokenizer: Any, path: str | os.PathLike) -> 
         raise InvalidArgumentError(f"export_merged: model is a {type(inner).__name__}; expected a peft PeftModel")
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if is_main_process():
-        from transformers import AutoModelForCausalLM
-
         base = inner.get_base_model()
         config = inner.peft_config[inner.active_adapter]
-        fresh = peft.get_peft_model(AutoModelForCausalLM.from_config(base.config), config)
+        fresh = peft.get_peft_model(_auto_model_class(base.config).from_config(base.config), config)
         fresh.load_state_dict(full)
         merged = fresh.merge_and_unload()
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -430,8 +429,43 @@ def is_adapter_folder(path: str | os.PathLike) -> bool:
     return (Path(path) / "adapter_config.json").is_file()
 
 
+def _auto_model_class(config: Any) -> Any:
+    """The Auto class that builds a model of ``config``: image-text-to-text for a
+    vision-language model (a ``vision_config``), else causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from torchforge.loop.vision import is_vision_config
+
+    return AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+
+
+def adapter_base_model(path: str | os.PathLike) -> str:
+    """The base model an adapter folder was trained on (``base_model_name_or_path`` of its
+    ``adapter_config.json``): a folder or a hub id.
+
+    Args:
+        path: a LoRA adapter folder.
+
+    Returns:
+        The base model's folder or id.
+
+    Example:
+        >>> adapter_base_model("out/final")  # doctest: +SKIP
+        'models/tiny-qwen2-vl'
+    """
+    import json
+
+    file = Path(path) / "adapter_config.json"
+    base = json.loads(file.read_text()).get("base_model_name_or_path") if file.is_file() else None
+    if not base:
+        raise InvalidArgumentError(f"adapter folder {str(path)!r}: its adapter_config.json names no "
+                                   "base_model_name_or_path; expected the folder a LoRA run writes (final/)")
+    return str(base)
+
+
 def load_adapter_model(path: str | os.PathLike) -> nn.Module:
-    """A saved LoRA folder as a causal LM: its base model (from the folder's config) with the adapters.
+    """A saved LoRA folder as a model: its base model (a causal LM, or a vision-language
+    model when the base's config has a ``vision_config``) with the adapters.
 
     Args:
         path: a folder written by the trainer's final export with LoRA.
@@ -442,5 +476,9 @@ def load_adapter_model(path: str | os.PathLike) -> nn.Module:
     Example:
         >>> load_adapter_model("out/final")  # doctest: +SKIP
     """
+    from transformers import AutoConfig
+
     peft = require_peft()
-    return peft.AutoPeftModelForCausalLM.from_pretrained(str(path)).eval()
+    base = adapter_base_model(path)
+    model = _auto_model_class(AutoConfig.from_pretrained(base)).from_pretrained(base)
+    return peft.PeftModel.from_pretrained(model, str(path)).eval()
