@@ -297,6 +297,32 @@ def test_a_lora_vlm_run_exports_its_adapters_and_merged_model_and_torchforge_eva
     assert scores[0]["eval/num_prompts"] == 4.0 and scores[0] == pytest.approx(scores[1], rel=1e-6)
 
 
+@pytest.mark.parametrize("setting", ["async_generation=true", "mixed_precision=bf16"])
+def test_a_vlm_trains_with_asynchronous_generation_and_in_bf16(vlm_run, setting, capsys):
+    """The generator thread's copy of the model samples from the images too (its first batch,
+    sampled with the initial weights, has the trainer's log-probs); bf16 likewise."""
+    assert main(["train", *(f"{k}={json.dumps(v)}" for k, v in vlm_run.items()), setting]) == 0
+    rows = [json.loads(line) for line in open(f"{vlm_run['output_dir']}/metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert 0.0 <= rows[0]["rollout/log_prob_gap"] < 1e-4
+
+
+def test_a_vlm_trains_on_two_processes_with_the_metrics_of_one(vlm_run, tmp_path):
+    """DDP and FSDP2 (the vision tower and projector their own units: generate runs them
+    before the first forward) give the single-process losses and gradient norms."""
+    settings = [f"{k}={json.dumps(v)}" for k, v in vlm_run.items() if k != "output_dir"]
+    runs = {}
+    for name, extra in (("one", []), ("ddp", ["--nproc", "2", "distributed_strategy=ddp"]),
+                        ("fsdp", ["--nproc", "2", "distributed_strategy=fsdp"])):
+        assert main(["train", *extra, *settings, f"output_dir={tmp_path / name}"]) == 0, name
+        runs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    for name in ("ddp", "fsdp"):
+        assert [r["step"] for r in runs[name]] == [1, 2]
+        for a, b in zip(runs["one"], runs[name]):
+            for key in ("loss", "reward", "grad_norm", "entropy", "completions/mean_length"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (name, a["step"], key)
+
+
 def test_an_image_eval_dataset_is_read_once_and_checked_before_the_model_loads(vlm_run, tmp_path, capsys, no_load):
     from torchforge.trainer import cli
 

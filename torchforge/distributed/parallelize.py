@@ -226,9 +226,9 @@ def shard(
 
     FSDP2 (``torch.distributed.fsdp.fully_shard``): each transformer block becomes one
     communication group (its parameters are all-gathered just before its forward and
-    reduce-scattered after its backward), then the root takes the remaining parameters
-    (embeddings, final norm, LM head). Activation checkpointing wraps the blocks before
-    sharding.
+    reduce-scattered after its backward), then a vision-language model's vision tower and
+    projector each become one, then the root takes the remaining parameters (embeddings,
+    final norm, LM head). Activation checkpointing wraps the blocks before sharding.
 
     Args:
         model: the model (a Hugging Face causal LM or any module with block classes), on
@@ -300,5 +300,26 @@ def shard(
     reshard = sharding_strategy != "grad_op"
     for block in shard_targets:
         fully_shard(block, mesh=device_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    vision = _vision_modules(model)
+    for module in vision:
+        fully_shard(module, mesh=device_mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=device_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    if vision:  # the vision tower runs first in generate: the root must already be the root
+        model._get_fsdp_state()._lazy_init()
     return model
+
+
+def _vision_modules(model: nn.Module) -> list[nn.Module]:
+    """A vision-language model's vision tower and projector (the outermost modules named
+    ``visual``, ``vision_tower``, ``multi_modal_projector``, ...): Hugging Face's ``generate``
+    runs them through ``get_image_features`` before the first forward, outside the root's
+    hooks, so each is its own FSDP unit that gathers its parameters itself. [] for a text model."""
+    from torchforge.loop.vision import is_vision_tower_name
+
+    found: list[str] = []
+    modules = []
+    for name, module in model.named_modules():  # parents before their children
+        if name and is_vision_tower_name(name.rsplit(".", 1)[-1]) and not any(name.startswith(f"{f}.") for f in found):
+            found.append(name)
+            modules.append(module)
+    return modules
