@@ -350,27 +350,31 @@ def grpo_loss(
 
         agg = _aggregation(loss_type, mask, num_items_in_batch, max_completion_length,
                            gradient_accumulation_steps, steps_per_generation, num_processes)
-        token_old = _gspo_old_log_probs(per_token_logps, old, mask) if sequence else old
+        token_old = _gspo_old_log_probs(per_token_logps, old, mask) if sequence and loss_type in ("cispo", "sapo") \
+            else old
 
         # The policy term.
         if loss_type in _CLIPPED:
             pg_loss, _, _ = ppo_surrogate(
                 per_token_logps, old, A, mask, weights, clip_low=epsilon, clip_high=epsilon_high,
-                dual_clip=delta, ratio_level=importance_sampling_level, max_log_ratio=math.inf,
+                dual_clip=delta, ratio_level=importance_sampling_level, max_log_ratio=math.inf, with_metrics=False,
             )
             loss = agg(pg_loss, mask)
         elif loss_type == "cispo":
             loss, _ = cispo_loss(per_token_logps, token_old, A, mask, weights, clip_low=1.0,
-                                 clip_high=epsilon_high - 1, max_log_ratio=math.inf, aggregation=agg)
+                                 clip_high=epsilon_high - 1, max_log_ratio=math.inf, aggregation=agg,
+                                 with_metrics=False)
         elif loss_type == "sapo":
             loss, _ = sapo_loss(per_token_logps, token_old, A, mask, weights, tau_pos=sapo_temperature_pos,
-                                tau_neg=sapo_temperature_neg, max_log_ratio=math.inf, aggregation=agg)
+                                tau_neg=sapo_temperature_neg, max_log_ratio=math.inf, aggregation=agg,
+                                with_metrics=False)
         else:  # vespo
             log_ratio = per_token_logps.detach().float() - old.detach().float()
             phi = _gamma_weights(A_tok, log_ratio, mask, importance_sampling_ratio, vespo_k_pos,
                                  vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
             vespo_weights = phi if weights is None else phi * weights
-            loss, _ = reinforce_loss(per_token_logps, A, mask, vespo_weights.expand(mask.shape), aggregation=agg)
+            loss, _ = reinforce_loss(per_token_logps, A, mask, vespo_weights.expand(mask.shape), aggregation=agg,
+                                     with_metrics=False)
 
         # The KL term: k3 as written, times the ratio with its gradient when bias-corrected.
         per_token_kl = None
