@@ -149,13 +149,13 @@ def _response_mask(fn: str, response_mask, like: torch.Tensor, like_name: str = 
     if response_mask.dtype == torch.bool:
         return response_mask
     # One pass and one read-back. An integer is 0 or 1 iff it lies in [0, 1]; a float m iff
-    # m (1 - m) = 0: that product is negative outside [0, 1] and positive inside (0, 1), down
-    # to the smallest subnormal (whose 1 - m rounds to 1); NaN fails both bounds.
+    # m - m^2 = 0: that is negative outside [0, 1] and positive inside (0, 1), down to the
+    # smallest subnormal (whose square rounds to 0); NaN fails both bounds.
     if response_mask.is_floating_point():
-        values, upper = response_mask * (1 - response_mask), 0
+        values, upper = torch.addcmul(response_mask, response_mask, response_mask, value=-1), 0
     else:
         values, upper = response_mask, 1
-    low, high = torch.stack(torch.aminmax(values)).tolist() if values.numel() else (0, 0)
+    low, high = (x.item() for x in torch.aminmax(values)) if values.numel() else (0, 0)
     if not (0 <= low and high <= upper):
         raise InvalidArgumentError(
             f"{fn}: {name} has values other than 0 and 1; expected a 0/1 mask (1 = the token counts)"
@@ -389,7 +389,7 @@ def _dppo(fn, divergence, old_log_prob, log_prob, advantages, response_mask, los
         if rollout_is_weights is not None:
             weights = weights * rollout_is_weights.detach().float()
     with reraise_as(fn):
-        pg_loss, _ = reinforce_loss(log_prob, A, mask, weights, aggregation=agg)
+        pg_loss, _ = reinforce_loss(log_prob, A, mask, weights, aggregation=agg, with_metrics=False)
     with torch.no_grad():
         pg_clipfrac = masked_mean(1.0 - valid, mask)
         pg_clipfrac_lower = masked_mean((ratio > clip_ratio_c).float() * valid, mask)
@@ -584,7 +584,7 @@ def compute_policy_loss_sapo(
     with reraise_as(fn):
         pg_loss, _ = sapo_loss(log_prob, old_log_prob, advantages, mask, rollout_is_weights,
                                tau_pos=_option(config, "tau_pos", 1.0), tau_neg=_option(config, "tau_neg", 1.05),
-                               max_log_ratio=20.0, aggregation=agg)
+                               max_log_ratio=20.0, aggregation=agg, with_metrics=False)
         log_ratio = clamp_log_ratio(_masked_log_ratio(log_prob, old_log_prob, mask), max_log_ratio=20.0)
     return pg_loss, _metrics(0.0, _ppo_kl(log_ratio, mask), 0.0)
 
@@ -692,7 +692,8 @@ def compute_policy_loss_geo_mean(
             seq_weights = torch.exp(masked_mean(log_w, mask, dim=-1))
         pg_loss, _ = gmpo_loss(log_prob, old_log_prob, A, mask, seq_weights, clip_low=clip_low,
                                clip_high=clip_high, max_log_ratio=math.inf,
-                               aggregation=Aggregation("seq-mean-token-mean", num_sequences=mask.shape[0]))
+                               aggregation=Aggregation("seq-mean-token-mean", num_sequences=mask.shape[0]),
+                               with_metrics=False)
         log_ratio = _masked_log_ratio(log_prob, old_log_prob, mask)
     with torch.no_grad():
         clipped = (log_ratio < -clip_low) | (log_ratio > clip_high)     # never where masked: 0 there
@@ -735,7 +736,8 @@ def compute_policy_loss_gpg(
     mask = _response_mask(fn, response_mask, log_prob)
     agg = _aggregation(fn, loss_agg_mode, **_batch_info(config))
     with reraise_as(fn):
-        pg_loss, _ = reinforce_loss(log_prob, advantages, mask, rollout_is_weights, aggregation=agg)
+        pg_loss, _ = reinforce_loss(log_prob, advantages, mask, rollout_is_weights, aggregation=agg,
+                                    with_metrics=False)
     return pg_loss, {}
 
 
@@ -779,7 +781,8 @@ def compute_policy_loss_dro(
     mask = _response_mask(fn, response_mask, log_prob)
     agg = _aggregation(fn, loss_agg_mode, **_batch_info(config))
     with reraise_as(fn):
-        pg_loss, _ = reinforce_loss(log_prob, advantages, mask, rollout_is_weights, aggregation=agg)
+        pg_loss, _ = reinforce_loss(log_prob, advantages, mask, rollout_is_weights, aggregation=agg,
+                                    with_metrics=False)
         k2 = approx_kl(log_prob, old_log_prob.detach(), rollout_is_weights, mask=mask, estimator="k2")
         pg_loss = pg_loss + beta * agg(k2, mask)
         log_ratio = _masked_log_ratio(log_prob, old_log_prob, mask)
@@ -822,7 +825,8 @@ def compute_policy_loss_reinforce(
     mask = _response_mask(fn, response_mask, log_prob)
     agg = _aggregation(fn, loss_agg_mode, **_batch_info(config))
     with reraise_as(fn):
-        pg_loss, _ = reinforce_loss(log_prob, advantages, mask, rollout_is_weights, aggregation=agg)
+        pg_loss, _ = reinforce_loss(log_prob, advantages, mask, rollout_is_weights, aggregation=agg,
+                                    with_metrics=False)
         log_ratio = _masked_log_ratio(log_prob, rollout_log_prob, mask)
     return pg_loss, {"actor/ppo_kl": _ppo_kl(log_ratio, mask)}
 
