@@ -343,10 +343,12 @@ def grpo_loss(
             entropy_mask = high_entropy_mask(entropies.detach(), mask, quantile=top_entropy_quantile)
             weights = entropy_mask if weights is None else weights * entropy_mask
         if importance_sampling_ratio is not None and loss_type != "vespo":
-            is_ratio = importance_sampling_ratio.detach().float().expand(mask.shape)
+            is_ratio = importance_sampling_ratio.detach().float()    # [B, T], or [B, 1]: one per row
             weights = is_ratio if weights is None else weights * is_ratio
-        if weights is not None and sequence and loss_type in _CLIPPED + ("sapo",):
-            weights = masked_mean(weights, mask, dim=-1)  # constant over the row: GSPO-token is TRL's GSPO
+        if weights is not None and sequence and loss_type in _CLIPPED + ("sapo",) and weights.shape[-1] != 1:
+            weights = masked_mean(weights.expand(mask.shape), mask, dim=-1)  # constant over the row: TRL's GSPO
+        if weights is not None and weights.shape != mask.shape:
+            weights = weights.reshape(-1)                   # [B, 1] as [B]: a weight per sequence
 
         agg = _aggregation(loss_type, mask, num_items_in_batch, max_completion_length,
                            gradient_accumulation_steps, steps_per_generation, num_processes)
@@ -409,15 +411,23 @@ def _metrics(per_token_logps, old, A, mask, loss_type, sequence, epsilon, epsilo
     """TRL's loss metrics, this call's: token means over the mask, or row means at sequence level."""
     with torch.no_grad():
         B = mask.shape[0]
+        num_tokens = torch.count_nonzero(mask).clamp(min=1)
+        lengths = torch.count_nonzero(mask, -1).clamp(min=1) if sequence or loss_type in _CLIPPED else None
 
         def global_mean(x):  # x [B, T], or [B, 1] at sequence level: one value per row, every row
             if x.shape[-1] == 1 and mask.shape[-1] != 1:
                 return x.float().sum() / max(B, 1)
             return masked_mean(x.float(), mask)
 
+        def fraction(flags):  # bool [B, T]: of the counted tokens; [B, 1] at sequence level: of every row
+            if flags.shape[-1] == 1 and mask.shape[-1] != 1:
+                return torch.count_nonzero(flags) / max(B, 1)
+            return torch.count_nonzero(flags & mask) / num_tokens
+
+        # 0 where masked, so plain sums over the row are the masked ones.
         log_ratio = torch.where(mask, per_token_logps.detach().float() - old.detach().float(), 0.0)
         if sequence:
-            log_ratio = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1)
+            log_ratio = (log_ratio.sum(-1) / lengths).unsqueeze(-1)
         coef_1 = torch.exp(log_ratio)
         metrics = {}
         if per_token_kl is not None:
@@ -427,21 +437,22 @@ def _metrics(per_token_logps, old, A, mask, loss_type, sequence, epsilon, epsilo
         if loss_type in _CLIPPED:
             if delta is not None:
                 coef_1 = coef_1.clamp(max=delta)
-            low = ((coef_1 < 1 - epsilon) & (A < 0)).float()
-            high = ((coef_1 > 1 + epsilon_high) & (A > 0)).float()
-            metrics["clip_ratio/low_mean"] = global_mean(low)
-            metrics["clip_ratio/high_mean"] = global_mean(high)
-            metrics["clip_ratio/region_mean"] = global_mean(torch.maximum(low, high))
+            low = (coef_1 < 1 - epsilon) & (A < 0)
+            high = (coef_1 > 1 + epsilon_high) & (A > 0)
+            metrics["clip_ratio/low_mean"] = fraction(low)
+            metrics["clip_ratio/high_mean"] = fraction(high)
+            metrics["clip_ratio/region_mean"] = fraction(low | high)
             if sequence:  # per row, every row
-                rows, counted_rows = (low.expand(B, 1), high.expand(B, 1)), torch.ones(B, 1, dtype=torch.bool, device=mask.device)
+                rows = (low.expand(B, 1).float(), high.expand(B, 1).float())
+                counted_rows = torch.ones(B, 1, dtype=torch.bool, device=mask.device)
             else:  # per counted row
                 counted_rows = mask.any(-1)
-                rows = (masked_mean(low.expand(mask.shape), mask, dim=-1),
-                        masked_mean(high.expand(mask.shape), mask, dim=-1))
+                rows = (torch.count_nonzero(low.expand(mask.shape) & mask, -1) / lengths,
+                        torch.count_nonzero(high.expand(mask.shape) & mask, -1) / lengths)
             metrics["clip_ratio/low_min"] = masked_min(rows[0].reshape(-1), counted_rows.reshape(-1))
             metrics["clip_ratio/high_max"] = masked_max(rows[1].reshape(-1), counted_rows.reshape(-1))
         elif loss_type == "cispo":
-            metrics["cispo_clip_ratio"] = global_mean(((coef_1 > epsilon_high) & (A > 0)).float())
+            metrics["cispo_clip_ratio"] = fraction((coef_1 > epsilon_high) & (A > 0))
         elif loss_type == "vespo":
             metrics["vespo/phi_seq_mean"] = global_mean(phi)
         return metrics
