@@ -634,7 +634,8 @@ def compute_policy_loss_cispo(
         log_ratio = clamp_log_ratio(_masked_log_ratio(log_prob, old_log_prob, mask), max_log_ratio=20.0)
         ratio = torch.exp(log_ratio)                          # 1 where masked: never clipped there
         count = torch.count_nonzero(mask).clamp(min=1)
-        pg_clipfrac = torch.count_nonzero(ratio != ratio.clamp(1 - clip_low, 1 + clip_high)) / count
+        # ratio != clamp(ratio), counted as the nonzero differences (finite: one float pass, no bool copy)
+        pg_clipfrac = torch.count_nonzero(ratio - ratio.clamp(1 - clip_low, 1 + clip_high)) / count
         ppo_kl = -log_ratio.sum() / count                     # log_ratio is 0 where masked
     return pg_loss, _metrics(pg_clipfrac.item(), ppo_kl.item(), 0.0)
 
