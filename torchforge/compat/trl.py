@@ -412,7 +412,8 @@ def _metrics(per_token_logps, old, A, mask, loss_type, sequence, epsilon, epsilo
     with torch.no_grad():
         B = mask.shape[0]
         num_tokens = torch.count_nonzero(mask).clamp(min=1)
-        lengths = torch.count_nonzero(mask, -1).clamp(min=1) if sequence or loss_type in _CLIPPED else None
+        row_counts = loss_type in _CLIPPED or (sequence and loss_type == "cispo")
+        lengths = torch.count_nonzero(mask, -1).clamp(min=1) if row_counts else None
 
         def global_mean(x):  # x [B, T], or [B, 1] at sequence level: one value per row, every row
             if x.shape[-1] == 1 and mask.shape[-1] != 1:
@@ -424,12 +425,13 @@ def _metrics(per_token_logps, old, A, mask, loss_type, sequence, epsilon, epsilo
                 return torch.count_nonzero(flags) / max(B, 1)
             return torch.count_nonzero(flags & mask) / num_tokens
 
-        # 0 where masked, so plain sums over the row are the masked ones.
-        log_ratio = torch.where(mask, per_token_logps.detach().float() - old.detach().float(), 0.0)
-        if sequence:
-            log_ratio = (log_ratio.sum(-1) / lengths).unsqueeze(-1)
-        coef_1 = torch.exp(log_ratio)
         metrics = {}
+        if loss_type in _CLIPPED + ("cispo",):   # the clip statistics read TRL's coef_1
+            # 0 where masked, so plain sums over the row are the masked ones.
+            log_ratio = torch.where(mask, per_token_logps.detach().float() - old.detach().float(), 0.0)
+            if sequence:
+                log_ratio = (log_ratio.sum(-1) / lengths).unsqueeze(-1)
+            coef_1 = torch.exp(log_ratio)
         if per_token_kl is not None:
             metrics["kl"] = masked_mean(per_token_kl.detach(), mask)
         if entropies is not None:
