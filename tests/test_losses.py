@@ -29,7 +29,7 @@ from torchforge.batch import Batch
 from torchforge.covariance_losses import clip_cov_loss, kl_cov_loss
 from torchforge.errors import DTypeError, InvalidArgumentError, ShapeError
 from torchforge.kl import approx_kl
-from torchforge.losses import grpo_loss, ppo_loss, reinforce_loss
+from torchforge.losses import grpo_loss, ppo_loss, ppo_surrogate, reinforce_loss
 from torchforge.ratios import policy_ratio
 from torchforge.reduce import AGGREGATION_MODES, Aggregation, aggregate
 from torchforge.trust_region_losses import cispo_loss, gmpo_loss, sapo_loss
@@ -300,6 +300,36 @@ def test_nan_in_side_inputs_at_masked_positions_does_not_leak():
     assert torch.isfinite(v[1]).all()
     c = _grad(cispo_loss, lp, dirty(old), dirty(adv), mask, clip_low=0.2, clip_high=0.2)
     assert torch.isfinite(c[0]) and torch.isfinite(c[1]).all()
+
+
+# The policy losses whose metrics can be switched off (the value and covariance losses cannot).
+WITH_METRICS_NAMES = ["ppo", "ppo_seq", "grpo", "grpo_st", "grpo_bc", "reinforce", "cispo", "sapo", "gmpo"]
+
+
+@pytest.mark.parametrize("name", WITH_METRICS_NAMES)
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_without_metrics_the_loss_and_gradient_are_identical(name, mode):
+    # with_metrics=False skips only the no-grad statistics: the same loss and gradient, bit for bit.
+    lp, _, _, mask = _data(5, 7, seed=8, spread=0.5)
+    call = _all_losses()(5, 7)[name]
+    loss, grad, metrics = _grad(call, lp, mask, aggregation=mode)
+    loss_off, grad_off, metrics_off = _grad(call, lp, mask, aggregation=mode, with_metrics=False)
+    assert metrics and metrics_off == {}
+    assert torch.equal(loss_off, loss) and torch.equal(grad_off, grad)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_ppo_surrogate_without_metrics_is_identical(level):
+    lp, old, adv, mask = _data(5, 7, seed=9, spread=0.5, token_adv=True)
+    x, y = lp.clone().requires_grad_(), lp.clone().requires_grad_()
+    pg, ratio, metrics = ppo_surrogate(x, old, adv, mask, clip_high=0.28, dual_clip=3.0, ratio_level=level)
+    pg_off, ratio_off, metrics_off = ppo_surrogate(y, old, adv, mask, clip_high=0.28, dual_clip=3.0,
+                                                   ratio_level=level, with_metrics=False)
+    assert metrics and metrics_off == {}
+    assert torch.equal(pg_off, pg) and torch.equal(ratio_off, ratio)
+    (pg.sum() + ratio.sum()).backward()
+    (pg_off.sum() + ratio_off.sum()).backward()
+    assert torch.equal(y.grad, x.grad)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
@@ -694,3 +724,4 @@ def test_new_losses_compile_fullgraph_and_match_eager():
         torch.testing.assert_close(x2.grad, x1.grad, msg=name)
         for key in m1:
             torch.testing.assert_close(m2[key], m1[key], msg=f"{name} {key}")
+

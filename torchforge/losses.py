@@ -62,6 +62,7 @@ def ppo_surrogate(
     dual_clip: float | None = None,
     ratio_level: str = "token",
     max_log_ratio: float = 20.0,
+    with_metrics: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate per token, unreduced, with the token ratio and the metrics.
 
@@ -84,14 +85,15 @@ def ppo_surrogate(
         advantages: [B] (one per sequence, broadcast over T) or [B, T] float; detached.
         mask: [B, T] bool, True = the token counts.
         weights: optional [B] or [B, T] float per-token weights >= 0; detached.
-        clip_low, clip_high, dual_clip, ratio_level, max_log_ratio: as in :func:`ppo_loss`.
+        clip_low, clip_high, dual_clip, ratio_level, max_log_ratio, with_metrics: as in
+            :func:`ppo_loss`.
 
     Returns:
         ``(pg_loss, ratio, metrics)``: the [B, T] float32 per-token loss (any value where
         ``mask`` is False: reduce it with ``aggregate``); the [B, T] token ratio
         ``exp(clamp(log_ratio))`` with its gradient, 1 where masked (whatever
         ``ratio_level``: a term of your own reuses it, as ``grpo_loss``'s bias-corrected KL
-        does); the metrics of :func:`ppo_loss`.
+        does); the metrics of :func:`ppo_loss` (``{}`` with ``with_metrics=False``).
 
     Example:
         >>> import torch
@@ -137,19 +139,20 @@ def ppo_surrogate(
         pg_loss = torch.where(A < 0, torch.clamp(pg_loss, max=pg_loss3), pg_loss)  # min(pg_loss, pg_loss3)
     if weights is not None:
         pg_loss = pg_loss * weights
-
-    with torch.no_grad():
-        # The clip takes a token's gradient where pg_loss2 > pg_loss1: ratio < 1 - clip_low
-        # with A < 0, ratio > 1 + clip_high with A > 0 (never where masked: the ratio is 1);
-        # the dual clip where ratio > c with A < 0.
-        num_tokens = torch.count_nonzero(mask)
-        count = num_tokens.clamp(min=1)
-        clip_frac_low, clip_frac_high = _frac_by_sign(pg_loss2 > pg_loss1, A, count)
-        metrics = {"clip_frac_low": clip_frac_low, "clip_frac_high": clip_frac_high}
-        if dual_clip is not None:
-            metrics["dual_clip_frac"] = _frac_by_sign(ratio > dual_clip, A, count)[0]
-        metrics.update(ratio_metrics(token_log_ratio, token_ratio, mask, num_tokens=num_tokens,
-                                     weighing_ratio=None if ratio_level == "token" else ratio))
+    metrics = {}
+    if with_metrics:
+        with torch.no_grad():
+            # The clip takes a token's gradient where pg_loss2 > pg_loss1: ratio < 1 - clip_low
+            # with A < 0, ratio > 1 + clip_high with A > 0 (never where masked: the ratio is 1);
+            # the dual clip where ratio > c with A < 0.
+            num_tokens = torch.count_nonzero(mask)
+            count = num_tokens.clamp(min=1)
+            clip_frac_low, clip_frac_high = _frac_by_sign(pg_loss2 > pg_loss1, A, count)
+            metrics = {"clip_frac_low": clip_frac_low, "clip_frac_high": clip_frac_high}
+            if dual_clip is not None:
+                metrics["dual_clip_frac"] = _frac_by_sign(ratio > dual_clip, A, count)[0]
+            metrics.update(ratio_metrics(token_log_ratio, token_ratio, mask, num_tokens=num_tokens,
+                                         weighing_ratio=None if ratio_level == "token" else ratio))
     return pg_loss, token_ratio, metrics
 
 
@@ -178,6 +181,7 @@ def ppo_loss(
     ratio_level: str = "token",
     max_log_ratio: float = 20.0,
     aggregation: str | Aggregation = "token-mean",
+    with_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss, with clip-higher, dual-clip, GSPO ratios and IS weights.
 
@@ -206,6 +210,9 @@ def ppo_loss(
         ratio_level: ``"token"`` (PPO / GRPO) or ``"sequence"`` (GSPO).
         max_log_ratio: clamp on the log-ratio before ``exp``; > 0.
         aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
+        with_metrics: compute the metrics (the default); False returns ``{}`` for them
+            and skips their cost, for a caller that reports statistics of its own. The
+            loss and its gradient are the same either way, bit for bit.
 
     Returns:
         ``(loss, metrics)``: float32 scalar, and detached float32 scalars over this
@@ -260,6 +267,7 @@ def ppo_loss(
         pg_loss, _, metrics = ppo_surrogate(
             log_probs, old_log_probs, advantages, mask, weights, clip_low=clip_low, clip_high=clip_high,
             dual_clip=dual_clip, ratio_level=ratio_level, max_log_ratio=max_log_ratio,
+            with_metrics=with_metrics,
         )
     with reraise_as(fn, "aggregation"):
         loss = Aggregation.of(aggregation)(pg_loss, mask)
@@ -284,6 +292,7 @@ def grpo_loss(
     ratio_level: str = "token",
     max_log_ratio: float = 20.0,
     aggregation: str | Aggregation = "token-mean",
+    with_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss: the PPO clipped surrogate plus a per-token KL penalty to a reference.
 
@@ -318,7 +327,8 @@ def grpo_loss(
         kl_estimator: one of ``KL_ESTIMATORS`` (``"k3"`` as in DeepSeekMath).
         kl_gradient: one of ``KL_GRADIENTS``: ``"estimator"``, ``"straight-through"``,
             ``"bias-corrected"`` (the ratio is the token ratio pi / pi_old, with gradient).
-        clip_low, clip_high, dual_clip, ratio_level, max_log_ratio: as in :func:`ppo_loss`.
+        clip_low, clip_high, dual_clip, ratio_level, max_log_ratio, with_metrics: as in
+            :func:`ppo_loss`.
         aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
 
     Returns:
@@ -360,6 +370,7 @@ def grpo_loss(
         pg_loss, ratio, metrics = ppo_surrogate(
             log_probs, old_log_probs, advantages, mask, weights, clip_low=clip_low, clip_high=clip_high,
             dual_clip=dual_clip, ratio_level=ratio_level, max_log_ratio=max_log_ratio,
+            with_metrics=with_metrics,
         )
     if kl_coef > 0:
         check_same_shape(fn, "ref_log_probs", ref_log_probs, "log_probs", log_probs)
@@ -372,11 +383,13 @@ def grpo_loss(
         if bias_corrected:
             kl = kl * ratio
         per_token = torch.add(pg_loss, kl, alpha=kl_coef)     # pg_loss + kl_coef * kl, in one kernel
-        with torch.no_grad():  # kl is 0 where masked: a plain sum
-            metrics["kl"] = kl.sum() / torch.count_nonzero(mask).clamp(min=1)
+        if with_metrics:
+            with torch.no_grad():  # kl is 0 where masked: a plain sum
+                metrics["kl"] = kl.sum() / torch.count_nonzero(mask).clamp(min=1)
     else:
         per_token = pg_loss
-        metrics["kl"] = torch.zeros((), device=log_probs.device)
+        if with_metrics:
+            metrics["kl"] = torch.zeros((), device=log_probs.device)
     with reraise_as(fn, "aggregation"):
         loss = Aggregation.of(aggregation)(per_token, mask)
     return loss, metrics
@@ -390,6 +403,7 @@ def reinforce_loss(
     weights: torch.Tensor | None = None,
     *,
     aggregation: str | Aggregation = "token-mean",
+    with_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """REINFORCE policy-gradient loss ``-A log pi``.
 
@@ -402,6 +416,7 @@ def reinforce_loss(
         mask: [B, T] bool, True = the token counts.
         weights: optional [B] or [B, T] float per-token weights; detached.
         aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
+        with_metrics: as in :func:`ppo_loss` (False: ``{}``, the same loss and gradient).
 
     Returns:
         ``(loss, metrics)``; metrics: ``log_prob_mean``, the masked mean of log pi.
@@ -428,8 +443,10 @@ def reinforce_loss(
     if weights is not None:
         pg_loss = pg_loss * weights
 
-    with torch.no_grad():
-        metrics = {"log_prob_mean": masked_mean(lp, mask)}
+    metrics = {}
+    if with_metrics:
+        with torch.no_grad():
+            metrics["log_prob_mean"] = masked_mean(lp, mask)
     with reraise_as(fn, "aggregation"):
         loss = Aggregation.of(aggregation)(pg_loss, mask)
     return loss, metrics

@@ -41,6 +41,7 @@ def cispo_loss(
     clip_high: float,
     max_log_ratio: float = 20.0,
     aggregation: str | Aggregation = "token-mean",
+    with_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO: REINFORCE weighted by the clipped, detached importance ratio.
 
@@ -61,6 +62,8 @@ def cispo_loss(
         clip_high: upper bound ``1 + clip_high``; >= 0.
         max_log_ratio: clamp on the log-ratio before ``exp``; > 0.
         aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
+        with_metrics: compute the metrics (the default); False returns ``{}`` for them and
+            skips their cost (the same loss and gradient, bit for bit), as in :func:`ppo_loss`.
 
     Returns:
         ``(loss, metrics)``: ``clip_frac_low`` / ``clip_frac_high`` (fraction of counted
@@ -97,15 +100,16 @@ def cispo_loss(
     pg_loss = -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * A * lp
     if weights is not None:
         pg_loss = pg_loss * weights
-
-    with torch.no_grad():
-        num_tokens = torch.count_nonzero(mask)
-        count = num_tokens.clamp(min=1)
-        metrics = {
-            "clip_frac_low": torch.count_nonzero(ratio < 1 - clip_low) / count,   # never where masked
-            "clip_frac_high": torch.count_nonzero(ratio > 1 + clip_high) / count,
-        }
-        metrics.update(ratio_metrics(log_ratio, ratio, mask, num_tokens=num_tokens))
+    metrics = {}
+    if with_metrics:
+        with torch.no_grad():
+            num_tokens = torch.count_nonzero(mask)
+            count = num_tokens.clamp(min=1)
+            metrics = {
+                "clip_frac_low": torch.count_nonzero(ratio < 1 - clip_low) / count,   # never where masked
+                "clip_frac_high": torch.count_nonzero(ratio > 1 + clip_high) / count,
+            }
+            metrics.update(ratio_metrics(log_ratio, ratio, mask, num_tokens=num_tokens))
     with reraise_as(fn, "aggregation"):
         loss = Aggregation.of(aggregation)(pg_loss, mask)
     return loss, metrics
@@ -123,6 +127,7 @@ def sapo_loss(
     tau_neg: float = 1.05,
     max_log_ratio: float = 20.0,
     aggregation: str | Aggregation = "token-mean",
+    with_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SAPO: PPO's hard clip replaced by a smooth, temperature-controlled gate.
 
@@ -147,6 +152,8 @@ def sapo_loss(
             ``tau_pos``: negative-advantage tokens are damped faster).
         max_log_ratio: clamp on the log-ratio before ``exp``; > 0.
         aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
+        with_metrics: compute the metrics (the default); False returns ``{}`` for them and
+            skips their cost (the same loss and gradient, bit for bit), as in :func:`ppo_loss`.
 
     Returns:
         ``(loss, metrics)``: ``gate_weight_mean``, the masked mean of ``w``; ``approx_kl``,
@@ -194,13 +201,14 @@ def sapo_loss(
     pg_loss = -A * gate
     if weights is not None:
         pg_loss = pg_loss * weights
-
-    with torch.no_grad():
-        num_tokens = torch.count_nonzero(mask)
-        s = torch.sigmoid(tau * (ratio - 1))
-        gate_weight = (4 * s * (1 - s)).expand(mask.shape)      # 1 where masked (the ratio is 1)
-        metrics = {"gate_weight_mean": torch.where(mask, gate_weight, 0.0).sum() / num_tokens.clamp(min=1)}
-        metrics.update(ratio_metrics(log_ratio, ratio, mask, num_tokens=num_tokens))
+    metrics = {}
+    if with_metrics:
+        with torch.no_grad():
+            num_tokens = torch.count_nonzero(mask)
+            s = torch.sigmoid(tau * (ratio - 1))
+            gate_weight = (4 * s * (1 - s)).expand(mask.shape)      # 1 where masked (the ratio is 1)
+            metrics = {"gate_weight_mean": torch.where(mask, gate_weight, 0.0).sum() / num_tokens.clamp(min=1)}
+            metrics.update(ratio_metrics(log_ratio, ratio, mask, num_tokens=num_tokens))
     with reraise_as(fn, "aggregation"):
         loss = Aggregation.of(aggregation)(pg_loss, mask)
     return loss, metrics
@@ -218,6 +226,7 @@ def gmpo_loss(
     clip_high: float = 0.4,
     max_log_ratio: float = 20.0,
     aggregation: str | Aggregation = "seq-mean-token-mean",
+    with_metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GMPO: the geometric mean of the token ratios, clipped token by token in log space.
 
@@ -248,6 +257,8 @@ def gmpo_loss(
         clip_high: the log-ratio of a token with ``A > 0`` is kept below ``clip_high``; >= 0.
         max_log_ratio: clamp on the sequence log-ratio before ``exp``; > 0.
         aggregation: a mode name or an Aggregation with global counts; see ``aggregate``.
+        with_metrics: compute the metrics (the default); False returns ``{}`` for them and
+            skips their cost (the same loss and gradient, bit for bit), as in :func:`ppo_loss`.
 
     Returns:
         ``(loss, metrics)``: ``clip_frac_low`` / ``clip_frac_high`` (fractions of counted
@@ -294,18 +305,19 @@ def gmpo_loss(
     pg_loss = (-seq_A * ratio).expand(mask.shape)
     if weights is not None:
         pg_loss = pg_loss * weights
-
-    with torch.no_grad():
-        # log_ratio is 0 where masked: neither clip flag holds there
-        num_tokens = torch.count_nonzero(mask)
-        count = num_tokens.clamp(min=1)
-        metrics = {
-            "clip_frac_low": torch.count_nonzero((log_ratio < -clip_low) & (A < 0)) / count,
-            "clip_frac_high": torch.count_nonzero((log_ratio > clip_high) & (A > 0)) / count,
-        }
-        token_log_ratio = clamp_log_ratio(log_ratio, max_log_ratio=max_log_ratio)
-        metrics.update(ratio_metrics(token_log_ratio, torch.exp(token_log_ratio), mask, weighing_ratio=ratio,
-                                     num_tokens=num_tokens))
+    metrics = {}
+    if with_metrics:
+        with torch.no_grad():
+            # log_ratio is 0 where masked: neither clip flag holds there
+            num_tokens = torch.count_nonzero(mask)
+            count = num_tokens.clamp(min=1)
+            metrics = {
+                "clip_frac_low": torch.count_nonzero((log_ratio < -clip_low) & (A < 0)) / count,
+                "clip_frac_high": torch.count_nonzero((log_ratio > clip_high) & (A > 0)) / count,
+            }
+            token_log_ratio = clamp_log_ratio(log_ratio, max_log_ratio=max_log_ratio)
+            metrics.update(ratio_metrics(token_log_ratio, torch.exp(token_log_ratio), mask, weighing_ratio=ratio,
+                                         num_tokens=num_tokens))
     with reraise_as(fn, "aggregation"):
         loss = Aggregation.of(aggregation)(pg_loss, mask)
     return loss, metrics

@@ -276,6 +276,29 @@ def test_config_as_dict_equals_defaults():
     assert by_none[0].item() == by_dict[0].item()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.int64, torch.uint8])
+def test_response_mask_other_than_0_and_1_raises(dtype):
+    """Every value of a non-bool mask other than 0 and 1 is refused, whatever its dtype;
+    0/1 (and -0.0) masks give verl's loss."""
+    old, lp, A, mask, _ = _inputs("ordinary")
+    loss = tf_verl.compute_policy_loss_vanilla(old, lp, A, mask.bool())[0]
+    ok = mask.to(dtype)
+    if dtype.is_floating_point:
+        ok = torch.where(ok == 0, -0.0, ok).to(dtype)
+    assert tf_verl.compute_policy_loss_vanilla(old, lp, A, ok)[0].item() == loss.item()
+    if dtype.is_floating_point:
+        info = torch.finfo(dtype)
+        bad = [0.5, 2.0, -1.0, 1 + info.eps, 1 - info.eps / 2, info.smallest_normal * info.eps, math.nan,
+               math.inf, -math.inf]
+    else:
+        bad = [2, 255] if dtype == torch.uint8 else [2, -1]
+    for value in bad:
+        m = mask.to(dtype).clone()
+        m[0, 0] = value
+        with pytest.raises(InvalidArgumentError, match="response_mask has values other than 0 and 1"):
+            tf_verl.compute_policy_loss_vanilla(old, lp, A, m)
+
+
 def test_bad_input():
     old, lp, A, mask, _ = _inputs("ordinary")
     with pytest.raises(InvalidArgumentError, match="response_mask has values other than 0 and 1"):

@@ -343,34 +343,40 @@ def grpo_loss(
             entropy_mask = high_entropy_mask(entropies.detach(), mask, quantile=top_entropy_quantile)
             weights = entropy_mask if weights is None else weights * entropy_mask
         if importance_sampling_ratio is not None and loss_type != "vespo":
-            is_ratio = importance_sampling_ratio.detach().float().expand(mask.shape)
+            is_ratio = importance_sampling_ratio.detach().float()    # [B, T], or [B, 1]: one per row
             weights = is_ratio if weights is None else weights * is_ratio
-        if weights is not None and sequence and loss_type in _CLIPPED + ("sapo",):
-            weights = masked_mean(weights, mask, dim=-1)  # constant over the row: GSPO-token is TRL's GSPO
+        if weights is not None and sequence and loss_type in _CLIPPED + ("sapo",) and weights.shape[-1] != 1:
+            weights = masked_mean(weights.expand(mask.shape), mask, dim=-1)  # constant over the row: TRL's GSPO
+        if weights is not None and weights.shape != mask.shape:
+            weights = weights.reshape(-1)                   # [B, 1] as [B]: a weight per sequence
 
         agg = _aggregation(loss_type, mask, num_items_in_batch, max_completion_length,
                            gradient_accumulation_steps, steps_per_generation, num_processes)
-        token_old = _gspo_old_log_probs(per_token_logps, old, mask) if sequence else old
+        token_old = _gspo_old_log_probs(per_token_logps, old, mask) if sequence and loss_type in ("cispo", "sapo") \
+            else old
 
         # The policy term.
         if loss_type in _CLIPPED:
             pg_loss, _, _ = ppo_surrogate(
                 per_token_logps, old, A, mask, weights, clip_low=epsilon, clip_high=epsilon_high,
-                dual_clip=delta, ratio_level=importance_sampling_level, max_log_ratio=math.inf,
+                dual_clip=delta, ratio_level=importance_sampling_level, max_log_ratio=math.inf, with_metrics=False,
             )
             loss = agg(pg_loss, mask)
         elif loss_type == "cispo":
             loss, _ = cispo_loss(per_token_logps, token_old, A, mask, weights, clip_low=1.0,
-                                 clip_high=epsilon_high - 1, max_log_ratio=math.inf, aggregation=agg)
+                                 clip_high=epsilon_high - 1, max_log_ratio=math.inf, aggregation=agg,
+                                 with_metrics=False)
         elif loss_type == "sapo":
             loss, _ = sapo_loss(per_token_logps, token_old, A, mask, weights, tau_pos=sapo_temperature_pos,
-                                tau_neg=sapo_temperature_neg, max_log_ratio=math.inf, aggregation=agg)
+                                tau_neg=sapo_temperature_neg, max_log_ratio=math.inf, aggregation=agg,
+                                with_metrics=False)
         else:  # vespo
             log_ratio = per_token_logps.detach().float() - old.detach().float()
             phi = _gamma_weights(A_tok, log_ratio, mask, importance_sampling_ratio, vespo_k_pos,
                                  vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
             vespo_weights = phi if weights is None else phi * weights
-            loss, _ = reinforce_loss(per_token_logps, A, mask, vespo_weights.expand(mask.shape), aggregation=agg)
+            loss, _ = reinforce_loss(per_token_logps, A, mask, vespo_weights.expand(mask.shape), aggregation=agg,
+                                     with_metrics=False)
 
         # The KL term: k3 as written, times the ratio with its gradient when bias-corrected.
         per_token_kl = None
@@ -405,17 +411,27 @@ def _metrics(per_token_logps, old, A, mask, loss_type, sequence, epsilon, epsilo
     """TRL's loss metrics, this call's: token means over the mask, or row means at sequence level."""
     with torch.no_grad():
         B = mask.shape[0]
+        num_tokens = torch.count_nonzero(mask).clamp(min=1)
+        row_counts = loss_type in _CLIPPED or (sequence and loss_type == "cispo")
+        lengths = torch.count_nonzero(mask, -1).clamp(min=1) if row_counts else None
 
         def global_mean(x):  # x [B, T], or [B, 1] at sequence level: one value per row, every row
             if x.shape[-1] == 1 and mask.shape[-1] != 1:
                 return x.float().sum() / max(B, 1)
             return masked_mean(x.float(), mask)
 
-        log_ratio = torch.where(mask, per_token_logps.detach().float() - old.detach().float(), 0.0)
-        if sequence:
-            log_ratio = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1)
-        coef_1 = torch.exp(log_ratio)
+        def fraction(flags):  # bool [B, T]: of the counted tokens; [B, 1] at sequence level: of every row
+            if flags.shape[-1] == 1 and mask.shape[-1] != 1:
+                return torch.count_nonzero(flags) / max(B, 1)
+            return torch.count_nonzero(flags & mask) / num_tokens
+
         metrics = {}
+        if loss_type in _CLIPPED + ("cispo",):   # the clip statistics read TRL's coef_1
+            # 0 where masked, so plain sums over the row are the masked ones.
+            log_ratio = torch.where(mask, per_token_logps.detach().float() - old.detach().float(), 0.0)
+            if sequence:
+                log_ratio = (log_ratio.sum(-1) / lengths).unsqueeze(-1)
+            coef_1 = torch.exp(log_ratio)
         if per_token_kl is not None:
             metrics["kl"] = masked_mean(per_token_kl.detach(), mask)
         if entropies is not None:
@@ -423,21 +439,22 @@ def _metrics(per_token_logps, old, A, mask, loss_type, sequence, epsilon, epsilo
         if loss_type in _CLIPPED:
             if delta is not None:
                 coef_1 = coef_1.clamp(max=delta)
-            low = ((coef_1 < 1 - epsilon) & (A < 0)).float()
-            high = ((coef_1 > 1 + epsilon_high) & (A > 0)).float()
-            metrics["clip_ratio/low_mean"] = global_mean(low)
-            metrics["clip_ratio/high_mean"] = global_mean(high)
-            metrics["clip_ratio/region_mean"] = global_mean(torch.maximum(low, high))
+            low = (coef_1 < 1 - epsilon) & (A < 0)
+            high = (coef_1 > 1 + epsilon_high) & (A > 0)
+            metrics["clip_ratio/low_mean"] = fraction(low)
+            metrics["clip_ratio/high_mean"] = fraction(high)
+            metrics["clip_ratio/region_mean"] = fraction(low | high)
             if sequence:  # per row, every row
-                rows, counted_rows = (low.expand(B, 1), high.expand(B, 1)), torch.ones(B, 1, dtype=torch.bool, device=mask.device)
+                rows = (low.expand(B, 1).float(), high.expand(B, 1).float())
+                counted_rows = torch.ones(B, 1, dtype=torch.bool, device=mask.device)
             else:  # per counted row
                 counted_rows = mask.any(-1)
-                rows = (masked_mean(low.expand(mask.shape), mask, dim=-1),
-                        masked_mean(high.expand(mask.shape), mask, dim=-1))
+                rows = (torch.count_nonzero(low.expand(mask.shape) & mask, -1) / lengths,
+                        torch.count_nonzero(high.expand(mask.shape) & mask, -1) / lengths)
             metrics["clip_ratio/low_min"] = masked_min(rows[0].reshape(-1), counted_rows.reshape(-1))
             metrics["clip_ratio/high_max"] = masked_max(rows[1].reshape(-1), counted_rows.reshape(-1))
         elif loss_type == "cispo":
-            metrics["cispo_clip_ratio"] = global_mean(((coef_1 > epsilon_high) & (A > 0)).float())
+            metrics["cispo_clip_ratio"] = fraction((coef_1 > epsilon_high) & (A > 0))
         elif loss_type == "vespo":
             metrics["vespo/phi_seq_mean"] = global_mean(phi)
         return metrics

@@ -1086,8 +1086,8 @@ def kl_penalty_forward(logprob: torch.FloatTensor, ref_logprob: torch.FloatTenso
         if kl_penalty in ("mse", "k2"):
             return approx_kl(logprob, ref_logprob, estimator="k2")
         log_r = torch.clamp(ref_logprob - logprob, min=-20, max=20)   # verl's clamp, before exp
-        # approx_kl's log r is ref - log_probs: here 0 - (-log_r) = log_r exactly
-        k3 = approx_kl(-log_r, torch.zeros_like(log_r), estimator="k3", max_ratio=math.inf)
+        # approx_kl's log r is ref - log_probs: here log_r - 0 = log_r exactly (and its gradient)
+        k3 = approx_kl(torch.zeros_like(log_r), log_r, estimator="k3", max_ratio=math.inf)
         return torch.clamp(k3, min=-10, max=10)
 
 

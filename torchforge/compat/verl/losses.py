@@ -148,7 +148,15 @@ def _response_mask(fn: str, response_mask, like: torch.Tensor, like_name: str = 
     check_same_shape(fn, name, response_mask, like_name, like)
     if response_mask.dtype == torch.bool:
         return response_mask
-    if not bool(((response_mask == 0) | (response_mask == 1)).all()):
+    # One pass and one read-back. An integer is 0 or 1 iff it lies in [0, 1]; a float m iff
+    # m - m^2 = 0: that is negative outside [0, 1] and positive inside (0, 1), down to the
+    # smallest subnormal (whose square rounds to 0); NaN fails both bounds.
+    if response_mask.is_floating_point():
+        values, upper = torch.addcmul(response_mask, response_mask, response_mask, value=-1), 0
+    else:
+        values, upper = response_mask, 1
+    low, high = (x.item() for x in torch.aminmax(values)) if values.numel() else (0, 0)
+    if not (0 <= low and high <= upper):
         raise InvalidArgumentError(
             f"{fn}: {name} has values other than 0 and 1; expected a 0/1 mask (1 = the token counts)"
         )
@@ -381,7 +389,7 @@ def _dppo(fn, divergence, old_log_prob, log_prob, advantages, response_mask, los
         if rollout_is_weights is not None:
             weights = weights * rollout_is_weights.detach().float()
     with reraise_as(fn):
-        pg_loss, _ = reinforce_loss(log_prob, A, mask, weights, aggregation=agg)
+        pg_loss, _ = reinforce_loss(log_prob, A, mask, weights, aggregation=agg, with_metrics=False)
     with torch.no_grad():
         pg_clipfrac = masked_mean(1.0 - valid, mask)
         pg_clipfrac_lower = masked_mean((ratio > clip_ratio_c).float() * valid, mask)
@@ -516,12 +524,22 @@ def compute_policy_loss_gspo(
     with reraise_as(fn):
         log_ratio = _masked_log_ratio(log_prob, old_log_prob, mask)
         seq_log_ratio = torch.clamp(sequence_log_ratio(log_ratio, mask), max=10.0)   # verl's clamp
-        pg_losses, _, m = ppo_surrogate(seq_log_ratio, torch.zeros_like(seq_log_ratio), advantages, mask,
-                                        rollout_is_weights, clip_low=min(clip_low, 1.0), clip_high=clip_high,
-                                        max_log_ratio=math.inf)
+        clip_low = min(clip_low, 1.0)
+        pg_losses, ratio, _ = ppo_surrogate(seq_log_ratio, torch.zeros_like(seq_log_ratio), advantages, mask,
+                                            rollout_is_weights, clip_low=clip_low, clip_high=clip_high,
+                                            max_log_ratio=math.inf, with_metrics=False)
         pg_loss = agg(pg_losses, mask)
-    pg_clipfrac = (m["clip_frac_low"] + m["clip_frac_high"]).item()
-    return pg_loss, _metrics(pg_clipfrac, _ppo_kl(log_ratio, mask), 0.0)
+        A = check_per_token(fn, "advantages", advantages, log_prob)
+    with torch.no_grad():
+        # The clip takes the gradient where it moves the ratio against A's sign: above
+        # 1 + clip_high with A > 0, below 1 - clip_low with A < 0 (pg_losses2 > pg_losses1);
+        # never where masked, where the ratio is 1.
+        ratio = ratio.detach()
+        clipped = A * (ratio - ratio.clamp(1 - clip_low, 1 + clip_high)) > 0
+        count = torch.count_nonzero(mask).clamp(min=1)
+        pg_clipfrac = torch.count_nonzero(clipped) / count
+        ppo_kl = -log_ratio.detach().sum() / count            # log_ratio is 0 where masked
+    return pg_loss, _metrics(pg_clipfrac.item(), ppo_kl.item(), 0.0)
 
 
 def compute_policy_loss_sapo(
@@ -566,7 +584,7 @@ def compute_policy_loss_sapo(
     with reraise_as(fn):
         pg_loss, _ = sapo_loss(log_prob, old_log_prob, advantages, mask, rollout_is_weights,
                                tau_pos=_option(config, "tau_pos", 1.0), tau_neg=_option(config, "tau_neg", 1.05),
-                               max_log_ratio=20.0, aggregation=agg)
+                               max_log_ratio=20.0, aggregation=agg, with_metrics=False)
         log_ratio = clamp_log_ratio(_masked_log_ratio(log_prob, old_log_prob, mask), max_log_ratio=20.0)
     return pg_loss, _metrics(0.0, _ppo_kl(log_ratio, mask), 0.0)
 
@@ -608,13 +626,18 @@ def compute_policy_loss_cispo(
     clip_low, clip_high = _clip_range(config)
     mask = _response_mask(fn, response_mask, log_prob)
     agg = _aggregation(fn, loss_agg_mode, **_batch_info(config))
+    clip_low = min(clip_low, 1.0)   # above 1, verl's lower bound is below 0, which no ratio reaches
     with reraise_as(fn):
-        pg_loss, m = cispo_loss(log_prob, old_log_prob, advantages, mask, rollout_is_weights,
-                                clip_low=min(clip_low, 1.0), clip_high=clip_high, max_log_ratio=20.0,
-                                aggregation=agg)
+        pg_loss, _ = cispo_loss(log_prob, old_log_prob, advantages, mask, rollout_is_weights, clip_low=clip_low,
+                                clip_high=clip_high, max_log_ratio=20.0, aggregation=agg, with_metrics=False)
+    with torch.no_grad():   # verl's statistics, from the same log-ratio and ratio
         log_ratio = clamp_log_ratio(_masked_log_ratio(log_prob, old_log_prob, mask), max_log_ratio=20.0)
-    pg_clipfrac = (m["clip_frac_low"] + m["clip_frac_high"]).item()
-    return pg_loss, _metrics(pg_clipfrac, _ppo_kl(log_ratio, mask), 0.0)
+        ratio = torch.exp(log_ratio)                          # 1 where masked: never clipped there
+        count = torch.count_nonzero(mask).clamp(min=1)
+        # ratio != clamp(ratio), counted as the nonzero differences (finite: one float pass, no bool copy)
+        pg_clipfrac = torch.count_nonzero(ratio - ratio.clamp(1 - clip_low, 1 + clip_high)) / count
+        ppo_kl = -log_ratio.sum() / count                     # log_ratio is 0 where masked
+    return pg_loss, _metrics(pg_clipfrac.item(), ppo_kl.item(), 0.0)
 
 
 def compute_policy_loss_geo_mean(
@@ -670,7 +693,8 @@ def compute_policy_loss_geo_mean(
             seq_weights = torch.exp(masked_mean(log_w, mask, dim=-1))
         pg_loss, _ = gmpo_loss(log_prob, old_log_prob, A, mask, seq_weights, clip_low=clip_low,
                                clip_high=clip_high, max_log_ratio=math.inf,
-                               aggregation=Aggregation("seq-mean-token-mean", num_sequences=mask.shape[0]))
+                               aggregation=Aggregation("seq-mean-token-mean", num_sequences=mask.shape[0]),
+                               with_metrics=False)
         log_ratio = _masked_log_ratio(log_prob, old_log_prob, mask)
     with torch.no_grad():
         clipped = (log_ratio < -clip_low) | (log_ratio > clip_high)     # never where masked: 0 there
@@ -713,7 +737,8 @@ def compute_policy_loss_gpg(
     mask = _response_mask(fn, response_mask, log_prob)
     agg = _aggregation(fn, loss_agg_mode, **_batch_info(config))
     with reraise_as(fn):
-        pg_loss, _ = reinforce_loss(log_prob, advantages, mask, rollout_is_weights, aggregation=agg)
+        pg_loss, _ = reinforce_loss(log_prob, advantages, mask, rollout_is_weights, aggregation=agg,
+                                    with_metrics=False)
     return pg_loss, {}
 
 
@@ -757,7 +782,8 @@ def compute_policy_loss_dro(
     mask = _response_mask(fn, response_mask, log_prob)
     agg = _aggregation(fn, loss_agg_mode, **_batch_info(config))
     with reraise_as(fn):
-        pg_loss, _ = reinforce_loss(log_prob, advantages, mask, rollout_is_weights, aggregation=agg)
+        pg_loss, _ = reinforce_loss(log_prob, advantages, mask, rollout_is_weights, aggregation=agg,
+                                    with_metrics=False)
         k2 = approx_kl(log_prob, old_log_prob.detach(), rollout_is_weights, mask=mask, estimator="k2")
         pg_loss = pg_loss + beta * agg(k2, mask)
         log_ratio = _masked_log_ratio(log_prob, old_log_prob, mask)
@@ -800,7 +826,8 @@ def compute_policy_loss_reinforce(
     mask = _response_mask(fn, response_mask, log_prob)
     agg = _aggregation(fn, loss_agg_mode, **_batch_info(config))
     with reraise_as(fn):
-        pg_loss, _ = reinforce_loss(log_prob, advantages, mask, rollout_is_weights, aggregation=agg)
+        pg_loss, _ = reinforce_loss(log_prob, advantages, mask, rollout_is_weights, aggregation=agg,
+                                    with_metrics=False)
         log_ratio = _masked_log_ratio(log_prob, rollout_log_prob, mask)
     return pg_loss, {"actor/ppo_kl": _ppo_kl(log_ratio, mask)}
 
