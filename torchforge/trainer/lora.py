@@ -480,5 +480,6 @@ def load_adapter_model(path: str | os.PathLike) -> nn.Module:
 
     peft = require_peft()
     base = adapter_base_model(path)
-    model = _auto_model_class(AutoConfig.from_pretrained(base)).from_pretrained(base)
+    config = AutoConfig.from_pretrained(base)
+    model = _auto_model_class(config).from_pretrained(base, config=config)
     return peft.PeftModel.from_pretrained(model, str(path)).eval()

@@ -889,10 +889,10 @@ def compute_policy_loss_bypass_mode(
         verl's rollout correction, https://verl.readthedocs.io/en/latest/algo/rollout_corr.html;
         F. Yao et al., https://fengyao.notion.site/off-policy-rl
     """
-    from .rollout_correction import _field, _rollout_correction_config, compute_rollout_correction_and_rejection_mask
+    from .rollout_correction import _field, compute_rollout_correction_and_rejection_mask
 
     fn = _PREFIX + "compute_policy_loss_bypass_mode"
-    correction = None if config is None else _rollout_correction_config(config)
+    correction = _policy_loss_option(config, "rollout_correction", None)
     if correction is None:
         raise InvalidArgumentError(
             f"{fn}: needs config.policy_loss.rollout_correction (verl's RolloutCorrectionConfig or a mapping), "

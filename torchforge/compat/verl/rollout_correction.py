@@ -170,8 +170,8 @@ def _rs_thresholds(fn: str, options: list[str], spec) -> dict[str, tuple[float |
 # --- inputs and metrics ----------------------------------------------------------------------
 
 def _inputs(fn: str, log_ratio, response_mask, name: str = "log_ratio") -> tuple[torch.Tensor, torch.Tensor]:
-    """The detached ``log_ratio`` (the argument ``name``) and the bool mask; a mask that
-    counts no token raises, as in verl."""
+    """The detached [B, T] ``log_ratio`` (the argument ``name``) and the bool mask, checked
+    once per call; a mask that counts no token raises, as in verl."""
     check_tensor(fn, name, log_ratio, ndim=2)
     mask = _response_mask(fn, response_mask, log_ratio, name)
     if not bool(mask.any()):
@@ -254,16 +254,16 @@ def compute_rollout_correction_weights(
         https://arxiv.org/abs/2510.18855
     """
     fn = _PREFIX + "compute_rollout_correction_weights"
-    weights, metrics = _is_weights(fn, log_ratio, response_mask, rollout_is, rollout_is_threshold,
-                                   rollout_is_batch_normalize)
+    log_ratio, mask = _inputs(fn, log_ratio, response_mask)
+    weights, metrics = _is_weights(fn, log_ratio, mask, rollout_is, rollout_is_threshold, rollout_is_batch_normalize)
     return weights, _floats(metrics)
 
 
-def _is_weights(fn, log_ratio, response_mask, rollout_is, rollout_is_threshold, rollout_is_batch_normalize):
+def _is_weights(fn, log_ratio, mask, rollout_is, rollout_is_threshold, rollout_is_batch_normalize):
+    """The weights and their metrics (tensors), from :func:`_inputs`' log-ratio and bool mask."""
     if rollout_is not in ("token", "sequence"):
         raise InvalidArgumentError(f"{fn}: rollout_is is {rollout_is!r}; expected 'token' or 'sequence'")
     upper, lower = _is_thresholds(fn, rollout_is_threshold)
-    log_ratio, mask = _inputs(fn, log_ratio, response_mask)
     if rollout_is == "token":
         level_log_ratio = log_ratio
     else:
@@ -325,12 +325,9 @@ def compute_is_metrics(
     fn = _PREFIX + "compute_is_metrics"
     if rollout_is not in ("token", "sequence"):
         raise InvalidArgumentError(f"{fn}: rollout_is is {rollout_is!r}; expected 'token' or 'sequence'")
-    check_tensor(fn, "rollout_is_weights", rollout_is_weights, ndim=2)
+    weights, mask = _inputs(fn, rollout_is_weights, response_mask, "rollout_is_weights")
     check_same_shape(fn, "raw_rollout_is_weights", raw_rollout_is_weights, "rollout_is_weights", rollout_is_weights)
-    mask = _response_mask(fn, response_mask, rollout_is_weights, "rollout_is_weights")
-    if not bool(mask.any()):
-        raise InvalidArgumentError(f"{fn}: response_mask counts no token; expected at least one (verl raises too)")
-    return _floats(_is_metrics(rollout_is_weights.detach().float(), raw_rollout_is_weights.detach().float(),
+    return _floats(_is_metrics(weights.float(), raw_rollout_is_weights.detach().float(),
                                log_ratio_for_metrics.detach(), mask, rollout_is, rollout_is_threshold,
                                rollout_is_threshold_lower))
 
@@ -404,7 +401,8 @@ def compute_rollout_rejection_mask(
         tensor([[1., 0., 1.]])
     """
     fn = _PREFIX + "compute_rollout_rejection_mask"
-    keep, metrics = _rejection(fn, log_ratio, response_mask, rollout_rs, rollout_rs_threshold)
+    log_ratio, mask = _inputs(fn, log_ratio, response_mask)
+    keep, metrics = _rejection(fn, log_ratio, mask, rollout_rs, rollout_rs_threshold)
     return _masked_response(response_mask, keep), _floats(metrics)
 
 
@@ -415,17 +413,19 @@ def _masked_response(response_mask: torch.Tensor, keep: torch.Tensor | None) -> 
     return torch.where(keep, response_mask, torch.zeros_like(response_mask))
 
 
-def _rejection(fn, log_ratio, response_mask, rollout_rs, rollout_rs_threshold):
-    """The [B, T] bool keep of every option and the metrics (tensors)."""
+def _rejection(fn, log_ratio, mask, rollout_rs, rollout_rs_threshold):
+    """The [B, T] bool keep of every option and the metrics (tensors), from :func:`_inputs`'
+    log-ratio and bool mask."""
     options = _rs_options(fn, rollout_rs)
     if rollout_rs_threshold is None:
         raise InvalidArgumentError(f"{fn}: rollout_rs={rollout_rs!r} needs rollout_rs_threshold, got None")
     thresholds = _rs_thresholds(fn, options, rollout_rs_threshold)
-    log_ratio, mask = _inputs(fn, log_ratio, response_mask)
     safe = log_ratio.float().clamp(-SAFETY_BOUND, SAFETY_BOUND)
     trainer = torch.zeros_like(safe)
-    # approx_kl(log_probs, ref): KL(log_probs' policy || ref's) = KL(rollout || trainer) here
-    token_kl = {k: approx_kl(trainer - safe, trainer, estimator=k, max_ratio=math.inf) for k in ("k1", "k2", "k3")}
+    # approx_kl(log_probs, ref): KL(log_probs' policy || ref's) = KL(rollout || trainer) here;
+    # only the estimators the options read
+    token_kl = {k: approx_kl(trainer - safe, trainer, estimator=k, max_ratio=math.inf)
+                for k in dict.fromkeys(option[-2:] for option in options)}
     rows = mask.any(-1)
     keep = torch.ones_like(mask)
     metrics = {}
@@ -495,12 +495,9 @@ def compute_rs_metrics(
     fn = _PREFIX + "compute_rs_metrics"
     if level not in ("token", "sequence"):
         raise InvalidArgumentError(f"{fn}: level is {level!r}; expected 'token' or 'sequence'")
-    check_tensor(fn, "rs_statistic", rs_statistic, ndim=2)
-    mask = _response_mask(fn, response_mask, rs_statistic, "rs_statistic")
-    if not bool(mask.any()):
-        raise InvalidArgumentError(f"{fn}: response_mask counts no token; expected at least one (verl raises too)")
+    stat, mask = _inputs(fn, rs_statistic, response_mask, "rs_statistic")
     per_row = None if per_sequence_values is None else per_sequence_values.detach().float().reshape(-1)
-    return _floats(_rs_metrics(option_name, rs_statistic.detach().float(), mask, seq_valid_mask.bool(), level,
+    return _floats(_rs_metrics(option_name, stat.float(), mask, seq_valid_mask.bool(), level,
                                per_row, rollout_rs_threshold, rollout_rs_threshold_lower, apply_lower_threshold))
 
 
@@ -572,20 +569,21 @@ def compute_rollout_correction_and_rejection_mask(
         (tensor([[2., 1.]]), tensor([[0., 1.]]))
     """
     fn = _PREFIX + "compute_rollout_correction_and_rejection_mask"
-    check_tensor(fn, "old_log_prob", old_log_prob, ndim=2)
+    old, mask = _inputs(fn, old_log_prob, response_mask, "old_log_prob")
     check_same_shape(fn, "rollout_log_prob", rollout_log_prob, "old_log_prob", old_log_prob)
-    log_ratio = old_log_prob.detach() - rollout_log_prob.detach()
+    rollout = rollout_log_prob.detach()
+    log_ratio = old - rollout
     metrics = {}
     weights = None
     if rollout_is is not None and rollout_is_threshold is not None:
-        weights, is_metrics = _is_weights(fn, log_ratio, response_mask, rollout_is, rollout_is_threshold,
+        weights, is_metrics = _is_weights(fn, log_ratio, mask, rollout_is, rollout_is_threshold,
                                           rollout_is_batch_normalize)
         metrics.update(is_metrics)
     keep = None
     if rollout_rs is not None:
-        keep, rs_metrics = _rejection(fn, log_ratio, response_mask, rollout_rs, rollout_rs_threshold)
+        keep, rs_metrics = _rejection(fn, log_ratio, mask, rollout_rs, rollout_rs_threshold)
         metrics.update(rs_metrics)
-    metrics.update(_offpolicy_metrics(fn, old_log_prob, rollout_log_prob, response_mask))
+    metrics.update(_offpolicy_metrics(old, rollout, mask))
     metrics = {f"rollout_corr/{k}": v for k, v in _floats(metrics).items()}
     return (None if weights is None else RolloutISWeights(weights)), _masked_response(response_mask, keep), metrics
 
@@ -619,7 +617,7 @@ def compute_offpolicy_metrics(
         2.0
     """
     fn = _PREFIX + "compute_offpolicy_metrics"
-    return _floats(_offpolicy_metrics(fn, old_log_prob, rollout_log_prob, response_mask))
+    return _floats(_offpolicy_metrics(*_log_probs(fn, old_log_prob, rollout_log_prob, response_mask)))
 
 
 def _row_mean_float64(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -629,14 +627,21 @@ def _row_mean_float64(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tens
     return torch.where(mask, log_probs.double(), 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
 
 
-def _offpolicy_metrics(fn, old_log_prob, rollout_log_prob, response_mask) -> dict[str, torch.Tensor]:
+def _log_probs(fn, old_log_prob, rollout_log_prob, response_mask):
+    """``(old, rollout, mask)`` checked: the detached log-probs (rollout None stays None) and the bool mask."""
     old, mask = _inputs(fn, old_log_prob, response_mask, "old_log_prob")
+    if rollout_log_prob is None:
+        return old, None, mask
+    check_same_shape(fn, "rollout_log_prob", rollout_log_prob, "old_log_prob", old_log_prob)
+    return old, rollout_log_prob.detach(), mask
+
+
+def _offpolicy_metrics(old, rollout, mask) -> dict[str, torch.Tensor]:
+    """The metrics (tensors) of :func:`compute_offpolicy_metrics`, from :func:`_log_probs`' checked inputs."""
     old_mean = _row_mean_float64(old, mask)
     m = {"training_ppl": (-old_mean).exp().mean(), "training_log_ppl": (-old_mean).mean()}
-    if rollout_log_prob is None:
+    if rollout is None:
         return m
-    check_same_shape(fn, "rollout_log_prob", rollout_log_prob, "old_log_prob", old_log_prob)
-    rollout = rollout_log_prob.detach()
     log_ratio = torch.where(mask, old.float() - rollout.float(), 0.0)
     m["kl"] = masked_mean(-log_ratio, mask)
     m["k3_kl"] = masked_mean(approx_kl(-log_ratio, torch.zeros_like(log_ratio), estimator="k3", max_ratio=math.inf),
@@ -679,22 +684,11 @@ def compute_rollout_corr_metrics_from_logprobs(
         0.0
     """
     fn = _PREFIX + "compute_rollout_corr_metrics_from_logprobs"
-    metrics = _floats(_offpolicy_metrics(fn, log_prob, rollout_log_prob, response_mask))
+    metrics = _floats(_offpolicy_metrics(*_log_probs(fn, log_prob, rollout_log_prob, response_mask)))
     return {f"rollout_corr/{k}": v for k, v in metrics.items()}
 
 
-def _rollout_correction_config(config) -> Mapping | object | None:
-    """``config.policy_loss.rollout_correction`` (verl's ``RolloutCorrectionConfig``, a mapping, ...)."""
-    policy_loss = config.get("policy_loss") if isinstance(config, Mapping) else getattr(config, "policy_loss", None)
-    if policy_loss is None:
-        return None
-    if isinstance(policy_loss, Mapping):
-        return policy_loss.get("rollout_correction")
-    return getattr(policy_loss, "rollout_correction", None)
-
-
 def _field(config, name: str, default):
-    """``config``'s ``name`` as verl's ``config.get(name, default)``: an explicit None stays None."""
-    if isinstance(config, Mapping) or hasattr(config, "get"):
-        return config.get(name, default)
-    return getattr(config, name, default)
+    """``config``'s ``name`` as verl's ``config.get(name, default)``: unlike ``_option``, an
+    explicit None stays None (``rollout_is_threshold=None`` turns the weights off)."""
+    return config.get(name, default) if isinstance(config, Mapping) else getattr(config, name, default)
