@@ -369,6 +369,16 @@ def test_kl_penalty_bad_name():
             compat.kl_penalty(lp, ref, name)
 
 
+@pytest.mark.parametrize("name", ["kl", "abs", "k2", "low_var_kl", "k3+"])
+def test_kl_penalty_refuses_a_broadcast_or_integers(name):
+    """verl broadcasts a [T] reference over the rows; the twin names the shapes instead."""
+    lp, ref = _log_probs(False)
+    with pytest.raises(ValueError, match=rf"has shape \({T},\) but \w+ has shape \({B}, {T}\)"):
+        compat.kl_penalty(lp, ref[0], name)
+    with pytest.raises(TypeError, match="has dtype torch.int64; expected a floating-point tensor"):
+        compat.kl_penalty(lp.long(), ref, name)
+
+
 @pytest.mark.parametrize("extreme", [False, True])
 @pytest.mark.parametrize("kl_ratio", [0.0, 0.05, 1.0])
 def test_compute_rewards_equals_verl(kl_ratio, extreme):

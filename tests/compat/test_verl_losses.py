@@ -299,6 +299,18 @@ def test_response_mask_other_than_0_and_1_raises(dtype):
             tf_verl.compute_policy_loss_vanilla(old, lp, A, m)
 
 
+@pytest.mark.parametrize("name", [n for n in POLICY_LOSSES if n != "gpg"])   # gpg reads no old_log_prob
+def test_old_log_prob_of_another_shape_or_dtype_raises(name):
+    """No twin broadcasts a [B] old_log_prob over the tokens, or reads integers as log-probs."""
+    old, lp, A, mask, _ = _inputs("ordinary")
+    config = {"policy_loss": {"dro_beta": 0.5, "clip_cov_ratio": 0.2, "kl_cov_ratio": 0.2}}
+    loss_fn = tf_verl.get_policy_loss_fn(name)
+    with pytest.raises(ValueError, match=rf"old_log_probs? has shape \({B},\) but log_probs? has shape"):
+        loss_fn(old[:, 0], lp, A, mask, "token-mean", config)
+    with pytest.raises(TypeError, match="old_log_probs? has dtype torch.int64; expected a floating-point"):
+        loss_fn(old.long(), lp, A, mask, "token-mean", config)
+
+
 def test_bad_input():
     old, lp, A, mask, _ = _inputs("ordinary")
     with pytest.raises(InvalidArgumentError, match="response_mask has values other than 0 and 1"):

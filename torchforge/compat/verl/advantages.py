@@ -78,6 +78,7 @@ from enum import Enum
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from torchforge.advantages import (
     best_minus_second_advantages,
@@ -95,6 +96,7 @@ from torchforge.errors import (
     shape_str,
 )
 from torchforge.kl import adaptive_kl_coef, approx_kl
+from torchforge.ratios import clamp_log_ratio
 from torchforge.reduce import masked_mean, masked_var
 from torchforge.returns import _compact, _compaction, _expand, discounted_returns, gae
 
@@ -1085,10 +1087,15 @@ def kl_penalty_forward(logprob: torch.FloatTensor, ref_logprob: torch.FloatTenso
             return approx_kl(logprob, ref_logprob, estimator="abs")
         if kl_penalty in ("mse", "k2"):
             return approx_kl(logprob, ref_logprob, estimator="k2")
-        log_r = torch.clamp(ref_logprob - logprob, min=-20, max=20)   # verl's clamp, before exp
+        for name, x in (("logprob", logprob), ("ref_logprob", ref_logprob)):
+            check_tensor(fn, name, x)
+            check_float(fn, name, x)
+        check_same_shape(fn, "ref_logprob", ref_logprob, "logprob", logprob)
+        # verl's clamps, as hardtanh (one backward kernel where torch.clamp's takes several)
+        log_r = clamp_log_ratio(ref_logprob.float() - logprob.float(), max_log_ratio=20.0)
         # approx_kl's log r is ref - log_probs: here log_r - 0 = log_r exactly (and its gradient)
         k3 = approx_kl(torch.zeros_like(log_r), log_r, estimator="k3", max_ratio=math.inf)
-        return torch.clamp(k3, min=-10, max=10)
+        return F.hardtanh(k3, -10.0, 10.0)
 
 
 def kl_penalty(logprob: torch.FloatTensor, ref_logprob: torch.FloatTensor, kl_penalty) -> torch.FloatTensor:

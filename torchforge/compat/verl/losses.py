@@ -73,6 +73,8 @@ from torchforge.covariance_losses import _covariance, _first_k, _selection_count
 from torchforge.errors import (
     InvalidArgumentError,
     check_choice,
+    check_clip,
+    check_float,
     check_per_token,
     check_same_shape,
     check_tensor,
@@ -174,6 +176,16 @@ def _aggregation(fn: str, loss_agg_mode: str, dp_size: int = 1, batch_num_tokens
     return Aggregation(loss_agg_mode, num_sequences=global_batch_size, dp_size=dp_size, norm_length=loss_scale_factor)
 
 
+def _log_ratio(fn: str, log_prob, old_log_prob, mask: torch.Tensor, old_name: str = "old_log_prob"):
+    """``log_prob - old_log_prob`` in float32 (``old_log_prob`` detached), 0 where masked,
+    once both are float tensors of one shape (verl's argument names in the error)."""
+    check_tensor(fn, "log_prob", log_prob)
+    check_float(fn, "log_prob", log_prob)
+    check_same_shape(fn, old_name, old_log_prob, "log_prob", log_prob)
+    check_float(fn, old_name, old_log_prob)
+    return _masked_log_ratio(log_prob, old_log_prob, mask)
+
+
 def _ppo_kl(log_ratio: torch.Tensor, mask: torch.Tensor) -> float:
     """verl's ``actor/ppo_kl``: the masked mean of ``-log_ratio`` (k1 of KL(pi_old || pi))."""
     return masked_mean(-log_ratio.detach(), mask).item()
@@ -253,7 +265,7 @@ def _ppo_clip(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mo
                                         clip_low=min(clip_low, 1.0), clip_high=clip_high, dual_clip=clip_ratio_c,
                                         max_log_ratio=20.0)
         pg_loss = agg(pg_losses, mask)
-        log_ratio = clamp_log_ratio(_masked_log_ratio(log_prob, old_log_prob, mask), max_log_ratio=20.0)
+        log_ratio = clamp_log_ratio(_log_ratio(fn, log_prob, old_log_prob, mask), max_log_ratio=20.0)
     with torch.no_grad():
         pg_clipfrac = m["clip_frac_low"] + m["clip_frac_high"]      # pg_losses2 > pg_losses1, either sign
         ppo_kl = masked_mean(-log_ratio, mask)
@@ -371,7 +383,7 @@ def _dppo(fn, divergence, old_log_prob, log_prob, advantages, response_mask, los
     agg = _aggregation(fn, loss_agg_mode, **_batch_info(config))
     with reraise_as(fn):
         A = check_per_token(fn, "advantages", advantages, log_prob).expand(mask.shape)
-        log_ratio = clamp_log_ratio(_masked_log_ratio(log_prob, old_log_prob, mask), max_log_ratio=20.0)
+        log_ratio = clamp_log_ratio(_log_ratio(fn, log_prob, old_log_prob, mask), max_log_ratio=20.0)
     with torch.no_grad():
         ratio = torch.exp(log_ratio)
         lp, old = log_prob.detach().float(), old_log_prob.detach().float()
@@ -522,7 +534,7 @@ def compute_policy_loss_gspo(
     mask = _response_mask(fn, response_mask, log_prob)
     agg = _aggregation(fn, loss_agg_mode, **_batch_info(config))
     with reraise_as(fn):
-        log_ratio = _masked_log_ratio(log_prob, old_log_prob, mask)
+        log_ratio = _log_ratio(fn, log_prob, old_log_prob, mask)
         seq_log_ratio = torch.clamp(sequence_log_ratio(log_ratio, mask), max=10.0)   # verl's clamp
         clip_low = min(clip_low, 1.0)
         pg_losses, ratio, _ = ppo_surrogate(seq_log_ratio, torch.zeros_like(seq_log_ratio), advantages, mask,
@@ -585,7 +597,7 @@ def compute_policy_loss_sapo(
         pg_loss, _ = sapo_loss(log_prob, old_log_prob, advantages, mask, rollout_is_weights,
                                tau_pos=_option(config, "tau_pos", 1.0), tau_neg=_option(config, "tau_neg", 1.05),
                                max_log_ratio=20.0, aggregation=agg, with_metrics=False)
-        log_ratio = clamp_log_ratio(_masked_log_ratio(log_prob, old_log_prob, mask), max_log_ratio=20.0)
+        log_ratio = clamp_log_ratio(_log_ratio(fn, log_prob, old_log_prob, mask), max_log_ratio=20.0)
     return pg_loss, _metrics(0.0, _ppo_kl(log_ratio, mask), 0.0)
 
 
@@ -628,15 +640,20 @@ def compute_policy_loss_cispo(
     agg = _aggregation(fn, loss_agg_mode, **_batch_info(config))
     clip_low = min(clip_low, 1.0)   # above 1, verl's lower bound is below 0, which no ratio reaches
     with reraise_as(fn):
-        pg_loss, _ = cispo_loss(log_prob, old_log_prob, advantages, mask, rollout_is_weights, clip_low=clip_low,
-                                clip_high=clip_high, max_log_ratio=20.0, aggregation=agg, with_metrics=False)
-    with torch.no_grad():   # verl's statistics, from the same log-ratio and ratio
-        log_ratio = clamp_log_ratio(_masked_log_ratio(log_prob, old_log_prob, mask), max_log_ratio=20.0)
+        check_clip(fn, clip_low, clip_high)
+        A = check_per_token(fn, "advantages", advantages, log_prob)
+        log_ratio = clamp_log_ratio(_log_ratio(fn, log_prob, old_log_prob, mask).detach(), max_log_ratio=20.0)
+    with torch.no_grad():
         ratio = torch.exp(log_ratio)                          # 1 where masked: never clipped there
+        weights = ratio.clamp(1 - clip_low, 1 + clip_high)    # cispo_loss's sg(clip(ratio)), kept for the metrics
         count = torch.count_nonzero(mask).clamp(min=1)
         # ratio != clamp(ratio), counted as the nonzero differences (finite: one float pass, no bool copy)
-        pg_clipfrac = torch.count_nonzero(ratio - ratio.clamp(1 - clip_low, 1 + clip_high)) / count
+        pg_clipfrac = torch.count_nonzero(ratio - weights) / count
         ppo_kl = -log_ratio.sum() / count                     # log_ratio is 0 where masked
+        if rollout_is_weights is not None:
+            weights = weights * check_per_token(fn, "rollout_is_weights", rollout_is_weights, log_prob)
+    with reraise_as(fn):
+        pg_loss, _ = reinforce_loss(log_prob, A, mask, weights, aggregation=agg, with_metrics=False)
     return pg_loss, _metrics(pg_clipfrac.item(), ppo_kl.item(), 0.0)
 
 
@@ -695,7 +712,7 @@ def compute_policy_loss_geo_mean(
                                clip_high=clip_high, max_log_ratio=math.inf,
                                aggregation=Aggregation("seq-mean-token-mean", num_sequences=mask.shape[0]),
                                with_metrics=False)
-        log_ratio = _masked_log_ratio(log_prob, old_log_prob, mask)
+        log_ratio = _log_ratio(fn, log_prob, old_log_prob, mask)
     with torch.no_grad():
         clipped = (log_ratio < -clip_low) | (log_ratio > clip_high)     # never where masked: 0 there
         pg_clipfrac = masked_mean((clipped & (A > 0)).float(), mask)
@@ -782,11 +799,11 @@ def compute_policy_loss_dro(
     mask = _response_mask(fn, response_mask, log_prob)
     agg = _aggregation(fn, loss_agg_mode, **_batch_info(config))
     with reraise_as(fn):
+        log_ratio = _log_ratio(fn, log_prob, old_log_prob, mask)
         pg_loss, _ = reinforce_loss(log_prob, advantages, mask, rollout_is_weights, aggregation=agg,
                                     with_metrics=False)
         k2 = approx_kl(log_prob, old_log_prob.detach(), rollout_is_weights, mask=mask, estimator="k2")
         pg_loss = pg_loss + beta * agg(k2, mask)
-        log_ratio = _masked_log_ratio(log_prob, old_log_prob, mask)
     return pg_loss, {"actor/ppo_kl": _ppo_kl(log_ratio, mask)}
 
 
@@ -828,7 +845,7 @@ def compute_policy_loss_reinforce(
     with reraise_as(fn):
         pg_loss, _ = reinforce_loss(log_prob, advantages, mask, rollout_is_weights, aggregation=agg,
                                     with_metrics=False)
-        log_ratio = _masked_log_ratio(log_prob, rollout_log_prob, mask)
+        log_ratio = _log_ratio(fn, log_prob, rollout_log_prob, mask, old_name="rollout_log_prob")
     return pg_loss, {"actor/ppo_kl": _ppo_kl(log_ratio, mask)}
 
 
@@ -981,7 +998,7 @@ def compute_policy_loss_clip_cov(
         pg_losses, ratio, _ = ppo_surrogate(log_prob, old_log_prob, advantages, mask, clip_low=min(clip_low, 1.0),
                                             clip_high=clip_high, max_log_ratio=math.inf)
         A = check_per_token(fn, "advantages", advantages, log_prob).expand(mask.shape)
-        log_ratio = _masked_log_ratio(log_prob, old_log_prob, mask)
+        log_ratio = _log_ratio(fn, log_prob, old_log_prob, mask)
     with torch.no_grad():
         clipped = ((ratio < 1 - clip_low) & (A < 0)) | ((ratio > 1 + clip_high) & (A > 0))
         cov = _covariance(A, log_prob, mask)
@@ -1048,7 +1065,7 @@ def compute_policy_loss_kl_cov(
     agg = _aggregation(fn, loss_agg_mode, **_batch_info(config))
     with reraise_as(fn):
         A = check_per_token(fn, "advantages", advantages, log_prob).expand(mask.shape)
-        log_ratio = _masked_log_ratio(log_prob, old_log_prob, mask)
+        log_ratio = _log_ratio(fn, log_prob, old_log_prob, mask)
         k, k_max = _selection_count(fn, kl_cov_ratio, torch.count_nonzero(mask), mask)
     with torch.no_grad():
         selected = _first_k(-_covariance(A, log_prob, mask), mask, k, k_max)
