@@ -339,6 +339,27 @@ def test_nan_outside_the_mask_leaks_into_trl_but_not_here(loss_type):
     assert torch.isfinite(lp.grad).all() and (lp.grad[~mask.bool()] == 0).all()
 
 
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_nan_in_every_input_outside_the_mask_reaches_nothing(loss_type, level):
+    """NaN where masked in the log-probs, the old and reference log-probs, a per-token IS ratio
+    and the entropies: the loss and the gradients are those of the clean inputs."""
+    config = _loss_config(loss_type, level, beta=0.04, top_entropy_quantile=0.5, entropy_coef=0.01)
+    lp0, old, ref, _, A, mask, entropies = _inputs("ordinary")
+    is_ratio = 0.5 + torch.rand(lp0.shape, generator=torch.Generator().manual_seed(3), dtype=lp0.dtype)
+    clean = (lp0, old, ref, is_ratio, entropies)
+    dirty = tuple(x.masked_fill(~mask.bool(), math.nan) for x in clean)
+    results = []
+    for lp, old_, ref_, is_, ent in (clean, dirty):
+        lp, ent = lp.clone().requires_grad_(), ent.clone().requires_grad_()
+        loss, _ = grpo_loss(lp, old_, A, mask, ref_, is_, ent, **loss_kwargs(config))
+        loss.backward()
+        results.append((loss, lp.grad, ent.grad))
+    for (got, want), what in zip(zip(results[1], results[0]), ("loss", "log-prob gradient", "entropy gradient")):
+        assert torch.isfinite(got).all(), f"{what} is not finite"
+        _close(got, want, what)
+
+
 # --- the config readers, and bad input ------------------------------------------------------------
 
 @pytest.mark.compat
@@ -386,6 +407,20 @@ def test_bad_input(kwargs, error, message):
     with pytest.raises(error, match="grpo_loss: .*" + message.replace("(", r"\(").replace(")", r"\)")
                        .replace("+", r"\+")):
         grpo_loss(lp, old, A, mask, **kwargs)
+
+
+def test_per_token_inputs_of_another_shape_or_dtype_raise():
+    """No [B, T] input broadcasts: TRL's importance_sampling_ratio is [B, T] or [B, 1]."""
+    lp, old, _, sampling, A, mask, _ = _inputs("ordinary")
+    B, T = lp.shape
+    with pytest.raises(ShapeError, match=rf"importance_sampling_ratio has shape \({B},\); expected \({B}, {T}\)"):
+        grpo_loss(lp, old, A, mask, importance_sampling_ratio=torch.ones(B, dtype=lp.dtype))
+    with pytest.raises(TypeError, match="importance_sampling_ratio has dtype torch.int64"):
+        grpo_loss(lp, old, A, mask, importance_sampling_ratio=torch.ones(B, T, dtype=torch.long))
+    with pytest.raises(ShapeError, match=rf"sampling_per_token_logps has shape \({T},\) but per_token_logps"):
+        grpo_loss(lp, old, A, mask, sampling_per_token_logps=sampling[0], off_policy_mask_threshold=0.1)
+    with pytest.raises(ShapeError, match=rf"old_per_token_logps has shape \({B},\) but per_token_logps"):
+        grpo_loss(lp, old[:, 0], A, mask)
 
 
 def test_importance_sampling_bad_input():

@@ -34,7 +34,7 @@ TRL (``GRPOConfig``)                torchforge
                                     ``tau_pos=sapo_temperature_pos``, ``tau_neg=sapo_temperature_neg``
 ``"vespo"``                         :func:`~torchforge.losses.reinforce_loss` weighted by VESPO's
                                     gamma weights (computed here: torchforge has no VESPO primitive)
-``importance_sampling_level``       ``ratio_level`` (``"sequence"``: GSPO, see the Note)
+``importance_sampling_level``       ``"token"``: ``ratio_level="token"``; ``"sequence"``: GSPO (see the Note)
 ``beta``, k3 against the reference  ``beta * aggregate(approx_kl(estimator="k3", max_ratio=inf))``
 ``use_bias_correction_kl=True``     the k3 estimate times the ratio pi / pi_old with its gradient
                                     (``approx_kl(gradient="bias-corrected")`` at token level)
@@ -74,14 +74,17 @@ and where it keeps torchforge's contract instead:
 
 Note:
     ``importance_sampling_level="sequence"``: TRL's ratio is ``s_b = exp(mean_t log_ratio)``,
-    one per row with its gradient spread over the row. Torchforge's ratios are per token in
-    GSPO-token form (value ``s_b``, gradient ``s_b * grad log_probs_bt``); the two give the
-    same value and gradient under every TRL normalizer when the advantages and the weights
-    are constant over a row, so at that level the clipped losses' and SAPO's weights (IS
-    ratio, entropy and OPSM masks) are replaced by their row mean over the counted tokens
-    (which leaves TRL's loss and gradient unchanged) and the advantages must be [B] (TRL's
-    own are). CISPO's ratio is a detached weight: its sequence level needs no such step.
-    The bias-corrected KL multiplies by ``s_b`` itself, as TRL does.
+    one per row with its gradient spread over the row. The clipped losses compute exactly
+    that: :func:`~torchforge.losses.ppo_surrogate` on the [B, 1] row log-ratios (each row a
+    one-token batch row), its per-row term spread over the row's tokens, then TRL's weights
+    and normalizer. SAPO uses the native GSPO-token form (value ``s_b``, gradient ``s_b *
+    grad log_probs_bt`` per token), which gives TRL's value and gradient under every TRL
+    normalizer when the advantages and weights are constant over a row; its weights (IS
+    ratio, entropy and OPSM masks) are therefore replaced by their row mean over the
+    counted tokens (which leaves TRL's loss and gradient unchanged). The advantages must be
+    [B] at that level (TRL's own are). CISPO's ratio is a detached weight: its sequence
+    level needs no such step. The bias-corrected KL multiplies by ``s_b`` itself, as TRL
+    does.
 """
 
 from __future__ import annotations
@@ -178,6 +181,8 @@ def _gamma_weights(advantages, log_ratio, mask, importance_sampling_ratio, k_pos
         log_w = torch.where(mask, log_ratio.clamp(-20.0, 20.0), 0.0).sum(-1, keepdim=True)
         if importance_sampling_ratio is not None:
             log_is = torch.log(importance_sampling_ratio.float()).clamp(lower, 20.0)
+            if log_is.shape == mask.shape:  # TRL's ratio is 1 where masked (log 0); a NaN there reaches nothing
+                log_is = torch.where(mask, log_is, 0.0)
             log_w = log_w + log_is.sum(-1, keepdim=True)
         log_w = log_w.clamp(lower, 20.0)
         nonneg = advantages >= 0
@@ -300,6 +305,19 @@ def grpo_loss(
     check_tensor(fn, "per_token_logps", per_token_logps, ndim=2)
     check_float(fn, "per_token_logps", per_token_logps)
     mask = _as_mask(fn, completion_mask, per_token_logps)
+    for name, x in (("old_per_token_logps", old_per_token_logps), ("sampling_per_token_logps", sampling_per_token_logps)):
+        if x is not None:
+            check_same_shape(fn, name, x, "per_token_logps", per_token_logps)
+            check_float(fn, name, x)
+    if importance_sampling_ratio is not None:
+        check_tensor(fn, "importance_sampling_ratio", importance_sampling_ratio)
+        check_float(fn, "importance_sampling_ratio", importance_sampling_ratio)
+        B, T = per_token_logps.shape
+        if importance_sampling_ratio.shape not in ((B, T), (B, 1)):
+            raise ShapeError(
+                f"{fn}: importance_sampling_ratio has shape {shape_str(importance_sampling_ratio)}; expected "
+                f"({B}, {T}) per token or ({B}, 1) per sequence, as vllm_importance_sampling_ratio returns"
+            )
     old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     steps_per_generation = gradient_accumulation_steps if steps_per_generation is None else steps_per_generation
@@ -345,10 +363,14 @@ def grpo_loss(
         if importance_sampling_ratio is not None and loss_type != "vespo":
             is_ratio = importance_sampling_ratio.detach().float()    # [B, T], or [B, 1]: one per row
             weights = is_ratio if weights is None else weights * is_ratio
-        if weights is not None and sequence and loss_type in _CLIPPED + ("sapo",) and weights.shape[-1] != 1:
+        if weights is not None and sequence and loss_type == "sapo" and weights.shape[-1] != 1:
             weights = masked_mean(weights.expand(mask.shape), mask, dim=-1)  # constant over the row: TRL's GSPO
         if weights is not None and weights.shape != mask.shape:
             weights = weights.reshape(-1)                   # [B, 1] as [B]: a weight per sequence
+        # TRL's sequence log-ratio, one per row with its gradient (each token's: 1 / n_b)
+        seq_log_ratio = None
+        if sequence and (loss_type in _CLIPPED + ("cispo",) or (beta != 0 and use_bias_correction_kl)):
+            seq_log_ratio = masked_mean(per_token_logps.float() - old.detach().float(), mask, dim=-1).unsqueeze(-1)
 
         agg = _aggregation(loss_type, mask, num_items_in_batch, max_completion_length,
                            gradient_accumulation_steps, steps_per_generation, num_processes)
@@ -356,10 +378,24 @@ def grpo_loss(
             else old
 
         # The policy term.
-        if loss_type in _CLIPPED:
+        if loss_type in _CLIPPED and sequence:
+            # GSPO as TRL computes it: one clipped term per row, of the row's log-ratio (a
+            # [B, 1] batch of one-token rows), then spread over the row for TRL's weights and normalizer.
+            rows = mask.any(-1, keepdim=True)
+            pg_rows, _, _ = ppo_surrogate(
+                seq_log_ratio, torch.zeros_like(seq_log_ratio), A, rows, clip_low=epsilon, clip_high=epsilon_high,
+                dual_clip=delta, max_log_ratio=math.inf, with_metrics=False,
+            )
+            pg_loss = pg_rows.expand(mask.shape)
+            if weights is not None:
+                # a where, not a product: a NaN weight where masked would reach the row's gradient
+                w = weights.reshape(mask.shape[0], -1)
+                pg_loss = pg_loss * (torch.where(mask, w, 0.0) if w.shape == mask.shape else w)
+            loss = agg(pg_loss, mask)
+        elif loss_type in _CLIPPED:
             pg_loss, _, _ = ppo_surrogate(
                 per_token_logps, old, A, mask, weights, clip_low=epsilon, clip_high=epsilon_high,
-                dual_clip=delta, ratio_level=importance_sampling_level, max_log_ratio=math.inf, with_metrics=False,
+                dual_clip=delta, max_log_ratio=math.inf, with_metrics=False,
             )
             loss = agg(pg_loss, mask)
         elif loss_type == "cispo":
@@ -390,8 +426,7 @@ def grpo_loss(
                 per_token_kl = approx_kl(per_token_logps, ref_per_token_logps.detach(), mask=mask,
                                          max_ratio=math.inf)
                 if use_bias_correction_kl:  # TRL's sequence coef_1 = exp(mean_t log_ratio), with its gradient
-                    log_ratio = torch.where(mask, per_token_logps.float() - old.detach().float(), 0.0)
-                    per_token_kl = per_token_kl * torch.exp(masked_mean(log_ratio, mask, dim=-1)).unsqueeze(-1)
+                    per_token_kl = per_token_kl * torch.exp(seq_log_ratio)
             loss = loss + beta * agg(per_token_kl, mask)
 
         policy_loss = loss.detach() * (1 if loss_type in _GLOBAL_NORMALIZER else gradient_accumulation_steps)
@@ -399,21 +434,21 @@ def grpo_loss(
             counted = mask if entropy_mask is None else mask & (entropy_mask > 0)
             loss = loss - entropy_coef * aggregate(entropies, counted) / gradient_accumulation_steps
 
-    metrics = _metrics(per_token_logps, old, A_tok, mask, loss_type, sequence, epsilon, epsilon_high, delta,
+    metrics = _metrics(per_token_logps, old, A_tok, mask, loss_type, seq_log_ratio, epsilon, epsilon_high, delta,
                        per_token_kl, entropies, phi if loss_type == "vespo" else None)
     if entropy_coef != 0:
         metrics["policy_loss"] = policy_loss
     return loss, metrics
 
 
-def _metrics(per_token_logps, old, A, mask, loss_type, sequence, epsilon, epsilon_high, delta,
+def _metrics(per_token_logps, old, A, mask, loss_type, seq_log_ratio, epsilon, epsilon_high, delta,
              per_token_kl, entropies, phi) -> dict[str, torch.Tensor]:
-    """TRL's loss metrics, this call's: token means over the mask, or row means at sequence level."""
+    """TRL's loss metrics, this call's: token means over the mask, or row means at sequence level
+    (``seq_log_ratio``, [B, 1], given there)."""
     with torch.no_grad():
         B = mask.shape[0]
+        sequence = seq_log_ratio is not None
         num_tokens = torch.count_nonzero(mask).clamp(min=1)
-        row_counts = loss_type in _CLIPPED or (sequence and loss_type == "cispo")
-        lengths = torch.count_nonzero(mask, -1).clamp(min=1) if row_counts else None
 
         def global_mean(x):  # x [B, T], or [B, 1] at sequence level: one value per row, every row
             if x.shape[-1] == 1 and mask.shape[-1] != 1:
@@ -427,10 +462,10 @@ def _metrics(per_token_logps, old, A, mask, loss_type, sequence, epsilon, epsilo
 
         metrics = {}
         if loss_type in _CLIPPED + ("cispo",):   # the clip statistics read TRL's coef_1
-            # 0 where masked, so plain sums over the row are the masked ones.
-            log_ratio = torch.where(mask, per_token_logps.detach().float() - old.detach().float(), 0.0)
             if sequence:
-                log_ratio = (log_ratio.sum(-1) / lengths).unsqueeze(-1)
+                log_ratio = seq_log_ratio.detach()
+            else:
+                log_ratio = torch.where(mask, per_token_logps.detach().float() - old.detach().float(), 0.0)
             coef_1 = torch.exp(log_ratio)
         if per_token_kl is not None:
             metrics["kl"] = masked_mean(per_token_kl.detach(), mask)
@@ -449,6 +484,7 @@ def _metrics(per_token_logps, old, A, mask, loss_type, sequence, epsilon, epsilo
                 counted_rows = torch.ones(B, 1, dtype=torch.bool, device=mask.device)
             else:  # per counted row
                 counted_rows = mask.any(-1)
+                lengths = torch.count_nonzero(mask, -1).clamp(min=1)
                 rows = (torch.count_nonzero(low.expand(mask.shape) & mask, -1) / lengths,
                         torch.count_nonzero(high.expand(mask.shape) & mask, -1) / lengths)
             metrics["clip_ratio/low_min"] = masked_min(rows[0].reshape(-1), counted_rows.reshape(-1))
