@@ -298,8 +298,14 @@ def test_nan_in_side_inputs_at_masked_positions_does_not_leak():
     v = _grad(value_loss, lp, dirty(old), dirty(ref), mask)
     torch.testing.assert_close(v[0], _grad(value_loss, lp, old, ref, mask)[0])
     assert torch.isfinite(v[1]).all()
-    c = _grad(cispo_loss, lp, dirty(old), dirty(adv), mask, clip_low=0.2, clip_high=0.2)
-    assert torch.isfinite(c[0]) and torch.isfinite(c[1]).all()
+    c = _grad(cispo_loss, lp, dirty(old), dirty(adv), mask, dirty(w), clip_low=0.2, clip_high=0.2)
+    clean = _grad(cispo_loss, lp, old, adv, mask, w, clip_low=0.2, clip_high=0.2)
+    torch.testing.assert_close(c[0], clean[0]); torch.testing.assert_close(c[1], clean[1])
+    r = _grad(reinforce_loss, dirty(lp), dirty(adv), mask, dirty(w))
+    clean = _grad(reinforce_loss, lp, adv, mask, w)
+    for got, want in zip(r, clean):
+        torch.testing.assert_close(got, want)
+    assert (r[1][~mask] == 0).all()
 
 
 # The policy losses whose metrics can be switched off (the value and covariance losses cannot).

@@ -142,7 +142,7 @@ def check_per_token(fn: str, name: str, x, log_probs: torch.Tensor) -> torch.Ten
     A NaN in ``x`` where nothing is counted reaches neither a loss (``aggregate`` drops
     those positions) nor its gradient: every loss multiplies ``x`` into a term whose
     input, the log-ratio or the log-prob, is a ``where`` on the mask, whose backward
-    zeroes those positions."""
+    zeroes those positions, or into a detached coefficient that is itself such a ``where``."""
     check_tensor(fn, name, x)
     check_float(fn, name, x)
     B, T = log_probs.shape

@@ -438,15 +438,15 @@ def reinforce_loss(
     if weights is not None:
         weights = check_per_token(fn, "weights", weights, log_probs)
 
-    lp = torch.where(mask, log_probs.float(), 0.0)  # a where: a NaN where masked reaches nothing
-    pg_loss = -A * lp
-    if weights is not None:
-        pg_loss = pg_loss * weights
+    coef = -A if weights is None else -A * weights
+    # The detached coefficient is 0 where masked (a where, not a product with the mask); with
+    # aggregate's where on the product, a NaN there reaches neither the value nor the gradient.
+    pg_loss = torch.where(mask, coef, 0.0) * log_probs.float()
 
     metrics = {}
     if with_metrics:
         with torch.no_grad():
-            metrics["log_prob_mean"] = masked_mean(lp, mask)
+            metrics["log_prob_mean"] = masked_mean(log_probs.float(), mask)
     with reraise_as(fn, "aggregation"):
         loss = Aggregation.of(aggregation)(pg_loss, mask)
     return loss, metrics

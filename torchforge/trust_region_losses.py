@@ -92,14 +92,15 @@ def cispo_loss(
         weights = check_per_token(fn, "weights", weights, log_probs)
 
     # sg: the ratio is a detached weight. Wheres, not products with the mask: a NaN where
-    # masked reaches neither value nor gradient.
+    # masked reaches neither value nor gradient (the coefficient is 0 there, and aggregate's
+    # where drops the product).
     log_ratio = torch.where(mask, log_probs.detach().float() - old_log_probs.detach().float(), 0.0)
     log_ratio = clamp_log_ratio(log_ratio, max_log_ratio=max_log_ratio)
     ratio = torch.exp(log_ratio)                                # exactly 1 where masked
-    lp = torch.where(mask, log_probs.float(), 0.0)
-    pg_loss = -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * A * lp
+    coef = -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * A
     if weights is not None:
-        pg_loss = pg_loss * weights
+        coef = coef * weights
+    pg_loss = torch.where(mask, coef, 0.0) * log_probs.float()
     metrics = {}
     if with_metrics:
         with torch.no_grad():
