@@ -464,8 +464,8 @@ def _metrics(per_token_logps, old, A, mask, loss_type, seq_log_ratio, epsilon, e
         if loss_type in _CLIPPED + ("cispo",):   # the clip statistics read TRL's coef_1
             if sequence:
                 log_ratio = seq_log_ratio.detach()
-            else:
-                log_ratio = torch.where(mask, per_token_logps.detach().float() - old.detach().float(), 0.0)
+            else:  # any value where masked (a NaN too): every flag below is counted with the mask
+                log_ratio = per_token_logps.detach().float() - old.detach().float()
             coef_1 = torch.exp(log_ratio)
         if per_token_kl is not None:
             metrics["kl"] = masked_mean(per_token_kl.detach(), mask)
@@ -475,20 +475,22 @@ def _metrics(per_token_logps, old, A, mask, loss_type, seq_log_ratio, epsilon, e
             if delta is not None:
                 coef_1 = coef_1.clamp(max=delta)
             low = (coef_1 < 1 - epsilon) & (A < 0)
-            high = (coef_1 > 1 + epsilon_high) & (A > 0)
-            metrics["clip_ratio/low_mean"] = fraction(low)
-            metrics["clip_ratio/high_mean"] = fraction(high)
-            metrics["clip_ratio/region_mean"] = fraction(low | high)
-            if sequence:  # per row, every row
-                rows = (low.expand(B, 1).float(), high.expand(B, 1).float())
-                counted_rows = torch.ones(B, 1, dtype=torch.bool, device=mask.device)
+            high = (coef_1 > 1 + epsilon_high) & (A > 0)            # never with low: A > 0
+            if sequence:  # one flag per row, every row
+                low_rows, high_rows = low.reshape(-1).float(), high.reshape(-1).float()
+                lengths, total = 1, max(B, 1)
+                counted_rows = torch.ones(B, dtype=torch.bool, device=mask.device)
             else:  # per counted row
+                low_rows = torch.count_nonzero(low & mask, -1)
+                high_rows = torch.count_nonzero(high & mask, -1)
+                lengths, total = torch.count_nonzero(mask, -1).clamp(min=1), num_tokens
                 counted_rows = mask.any(-1)
-                lengths = torch.count_nonzero(mask, -1).clamp(min=1)
-                rows = (torch.count_nonzero(low.expand(mask.shape) & mask, -1) / lengths,
-                        torch.count_nonzero(high.expand(mask.shape) & mask, -1) / lengths)
-            metrics["clip_ratio/low_min"] = masked_min(rows[0].reshape(-1), counted_rows.reshape(-1))
-            metrics["clip_ratio/high_max"] = masked_max(rows[1].reshape(-1), counted_rows.reshape(-1))
+            low_count, high_count = low_rows.sum(), high_rows.sum()
+            metrics["clip_ratio/low_mean"] = low_count / total
+            metrics["clip_ratio/high_mean"] = high_count / total
+            metrics["clip_ratio/region_mean"] = (low_count + high_count) / total
+            metrics["clip_ratio/low_min"] = masked_min(low_rows / lengths, counted_rows)
+            metrics["clip_ratio/high_max"] = masked_max(high_rows / lengths, counted_rows)
         elif loss_type == "cispo":
             metrics["cispo_clip_ratio"] = fraction((coef_1 > epsilon_high) & (A > 0))
         elif loss_type == "vespo":
