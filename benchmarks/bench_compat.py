@@ -149,6 +149,8 @@ def main() -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     verl, trl = verl_rows(args.quick), trl_rows(quick=args.quick)
     ratios = [r["ratio"] for r in verl + trl]
+    slowest = max(verl + trl, key=lambda r: r["ratio"])
+    slowest_name = ("verl " if slowest in verl else "TRL ") + slowest["config"].split(",")[0].strip("`")
     text = "\n".join([
         "# torchforge.compat against the peers' own functions",
         "",
@@ -170,6 +172,7 @@ def main() -> None:
         "| figure | value |",
         "| --- | ---: |",
         f"| worst compat / peer ratio | {max(ratios):.2f}x |",
+        f"| slowest twin against its peer | {slowest_name} |",
         f"| median compat / peer ratio | {statistics.median(ratios):.2f}x |",
         "",
     ])

@@ -633,6 +633,12 @@ def compute_policy_loss_cispo(
 
     References:
         MiniMax-M1 (CISPO), https://arxiv.org/abs/2506.13585
+
+    Note:
+        The loss is the native :func:`~torchforge.trust_region_losses.cispo_loss`'s (same
+        clip, ``max_log_ratio=20``), formed here as
+        :func:`~torchforge.losses.reinforce_loss` weighted by the clipped ratio so that
+        verl's statistics read the same ratio instead of forming it again.
     """
     fn = _PREFIX + "compute_policy_loss_cispo"
     clip_low, clip_high = _clip_range(config)
