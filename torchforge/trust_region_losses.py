@@ -198,10 +198,10 @@ def sapo_loss(
     log_ratio = clamp_log_ratio(log_ratio, max_log_ratio=max_log_ratio)
     ratio = torch.exp(log_ratio)                                # exactly 1 where masked
     tau = torch.where(A > 0, tau_pos, tau_neg)
-    gate = (4 / tau) * torch.sigmoid(tau * (ratio - 1))
-    pg_loss = -A * gate
-    if weights is not None:
-        pg_loss = pg_loss * weights
+    # pg_loss = -A * gate, gate = (4 / tau) * sigmoid(tau * (ratio - 1)), times weights: the
+    # detached factors form one coefficient, so one product lies on the gradient's path.
+    coef = -A * (4 / tau) if weights is None else -A * (4 / tau) * weights
+    pg_loss = coef * torch.sigmoid(tau * (ratio - 1))
     metrics = {}
     if with_metrics:
         with torch.no_grad():

@@ -95,7 +95,7 @@ from torchforge.errors import (
     reraise_as,
     shape_str,
 )
-from torchforge.kl import adaptive_kl_coef, approx_kl
+from torchforge.kl import _k3, adaptive_kl_coef, approx_kl
 from torchforge.ratios import clamp_log_ratio
 from torchforge.reduce import masked_mean, masked_var
 from torchforge.returns import _compact, _compaction, _expand, discounted_returns, gae
@@ -1093,9 +1093,8 @@ def kl_penalty_forward(logprob: torch.FloatTensor, ref_logprob: torch.FloatTenso
         check_same_shape(fn, "ref_logprob", ref_logprob, "logprob", logprob)
         # verl's clamps, as hardtanh (one backward kernel where torch.clamp's takes several)
         log_r = clamp_log_ratio(ref_logprob.float() - logprob.float(), max_log_ratio=20.0)
-        # approx_kl's log r is ref - log_probs: here log_r - 0 = log_r exactly (and its gradient)
-        k3 = approx_kl(torch.zeros_like(log_r), log_r, estimator="k3", max_ratio=math.inf)
-        return F.hardtanh(k3, -10.0, 10.0)
+        # approx_kl's k3 (max_ratio=inf) of the clamped log r, with no second pass to form log r
+        return F.hardtanh(_k3(log_r, math.inf), -10.0, 10.0)
 
 
 def kl_penalty(logprob: torch.FloatTensor, ref_logprob: torch.FloatTensor, kl_penalty) -> torch.FloatTensor:
