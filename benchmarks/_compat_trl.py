@@ -60,7 +60,7 @@ def trl_rows(quick: bool = False, reps: int | None = None) -> list[dict]:
     from torchforge.compat.trl import grpo_loss, loss_kwargs, vllm_importance_sampling_ratio
 
     B, T = (16, 256) if quick else (64, 1024)
-    reps = reps or (5 if quick else 21)
+    reps = reps or (5 if quick else 41)
     lp0, old, ref, sampling, A, mask = _inputs(B, T)
     entropies = torch.rand(B, T)
     is_trl, _ = trl_importance_sampling(old, sampling, mask, "sequence_mask", None, 3.0)

@@ -59,7 +59,7 @@ def verl_rows(quick: bool = False) -> list[dict]:
 
     from torchforge.compat import verl as tv
 
-    reps = 5 if quick else 21
+    reps = 5 if quick else 41
     B, T = (16, 256) if quick else (64, 1024)
     g = torch.Generator().manual_seed(0)
     old = -torch.rand(B, T, generator=g) * 3

@@ -166,13 +166,16 @@ def _response_mask(fn: str, response_mask, like: torch.Tensor, like_name: str = 
 
 
 def _aggregation(fn: str, loss_agg_mode: str, dp_size: int = 1, batch_num_tokens=None, global_batch_size=None,
-                 loss_scale_factor=None) -> Aggregation:
-    """verl's ``agg_loss`` options as an :class:`Aggregation` (``token-sum``: a token mean over 1)."""
+                 loss_scale_factor=None, *, num_tokens=None) -> Aggregation:
+    """verl's ``agg_loss`` options as an :class:`Aggregation` (``token-sum``: a token mean over 1);
+    ``num_tokens``: this call's token count where the caller has it (token-mean without
+    ``batch_num_tokens`` then counts nothing again)."""
     check_choice(fn, "loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
     if loss_agg_mode == "token-sum":
         return Aggregation("token-mean", num_tokens=1, dp_size=dp_size)
     if loss_agg_mode == "token-mean":
-        return Aggregation("token-mean", num_tokens=batch_num_tokens, dp_size=dp_size)
+        return Aggregation("token-mean", num_tokens=num_tokens if batch_num_tokens is None else batch_num_tokens,
+                           dp_size=dp_size)
     return Aggregation(loss_agg_mode, num_sequences=global_batch_size, dp_size=dp_size, norm_length=loss_scale_factor)
 
 
@@ -643,7 +646,8 @@ def compute_policy_loss_cispo(
     fn = _PREFIX + "compute_policy_loss_cispo"
     clip_low, clip_high = _clip_range(config)
     mask = _response_mask(fn, response_mask, log_prob)
-    agg = _aggregation(fn, loss_agg_mode, **_batch_info(config))
+    num_tokens = torch.count_nonzero(mask)
+    agg = _aggregation(fn, loss_agg_mode, **_batch_info(config), num_tokens=num_tokens)
     clip_low = min(clip_low, 1.0)   # above 1, verl's lower bound is below 0, which no ratio reaches
     with reraise_as(fn):
         check_clip(fn, clip_low, clip_high)
@@ -652,9 +656,10 @@ def compute_policy_loss_cispo(
     with torch.no_grad():
         ratio = torch.exp(log_ratio)                          # 1 where masked: never clipped there
         weights = ratio.clamp(1 - clip_low, 1 + clip_high)    # cispo_loss's sg(clip(ratio)), kept for the metrics
-        count = torch.count_nonzero(mask).clamp(min=1)
-        # ratio != clamp(ratio), counted as the nonzero differences (finite: one float pass, no bool copy)
-        pg_clipfrac = torch.count_nonzero(ratio - weights) / count
+        count = num_tokens.clamp(min=1)
+        # ratio != clamp(ratio): the nonzero differences, cast to bool first (a cast is one
+        # vectorized pass; count_nonzero on floats, and !=, branch per element on a CPU)
+        pg_clipfrac = torch.count_nonzero((ratio - weights).bool()) / count
         ppo_kl = -log_ratio.sum() / count                     # log_ratio is 0 where masked
         if rollout_is_weights is not None:
             weights = weights * check_per_token(fn, "rollout_is_weights", rollout_is_weights, log_prob)
