@@ -31,7 +31,6 @@ Writes benchmarks/results/packing.md (not with --quick).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys

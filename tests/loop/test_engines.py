@@ -11,7 +11,7 @@ import torch
 
 from torchforge import RLConfig, RLTrainer
 from torchforge.errors import InvalidArgumentError
-from torchforge.loop import Completion, HFEngine, SamplingSettings, completions_batch, policy_log_probs, rollout
+from torchforge.loop import Completion, HFEngine, SamplingSettings, completions_batch, rollout
 from torchforge.loop.engines import check_engine_settings, make_engine, request_seeds
 from torchforge.testing import check_engine, reference_log_probs
 from torchforge.trainer.demo import CopyDigitsReward, char_tokenizer, copy_digits_dataset, tiny_llama

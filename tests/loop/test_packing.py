@@ -23,7 +23,6 @@ from torchforge.loop import (
     accumulate_gradients,
     check_packable,
     completion_lengths,
-    micro_batches,
     micro_batches_by_tokens,
     pack_sequences,
     policy_log_probs,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import multiprocessing.connection
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import torch
 from torch import nn

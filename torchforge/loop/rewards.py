@@ -21,7 +21,6 @@ completion costs that completion the failure reward (and a logged reason), not t
 from __future__ import annotations
 
 import math
-import os
 import pickle
 import signal
 import threading

@@ -27,7 +27,7 @@ both vLLM engines.
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn

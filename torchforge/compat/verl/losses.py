@@ -85,7 +85,7 @@ from torchforge.log_probs import token_entropy
 from torchforge.losses import ppo_surrogate, reinforce_loss
 from torchforge.ratios import _masked_log_ratio, clamp_log_ratio, sequence_log_ratio
 from torchforge.reduce import Aggregation, masked_mean
-from torchforge.trust_region_losses import cispo_loss, gmpo_loss, sapo_loss
+from torchforge.trust_region_losses import gmpo_loss, sapo_loss
 from torchforge.value_losses import value_loss
 
 __all__ = [
