@@ -339,6 +339,7 @@ def test_nan_outside_the_mask_leaks_into_trl_but_not_here(loss_type):
     assert torch.isfinite(lp.grad).all() and (lp.grad[~mask.bool()] == 0).all()
 
 
+@pytest.mark.compat   # GRPOConfig's defaults
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_nan_in_every_input_outside_the_mask_reaches_nothing(loss_type, level):

@@ -161,15 +161,6 @@ def _aggregation(loss_type, mask, num_items_in_batch, max_completion_length,
     return Aggregation("token-mean", num_tokens=N * GA, dp_size=num_processes * steps_per_generation)
 
 
-def _gspo_old_log_probs(per_token_logps, old_per_token_logps, mask) -> torch.Tensor:
-    """Old log-probs whose token log-ratio is the row's mean log-ratio: ``sg(log_probs - l_b)``.
-
-    A token-level loss given them sees the ratio ``exp(l_b + log_probs - sg(log_probs))``:
-    GSPO-token's, value ``s_b`` and gradient ``s_b * grad log_probs_bt``."""
-    log_ratio = torch.where(mask, per_token_logps.detach().float() - old_per_token_logps.detach().float(), 0.0)
-    return per_token_logps.detach().float() - masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1)
-
-
 def _gamma_weights(advantages, log_ratio, mask, importance_sampling_ratio, k_pos, lambda_pos, k_neg, lambda_neg):
     """VESPO's detached sequence weight ``phi(w) = exp(lambda + k log w - lambda w)``, [B, 1].
 
@@ -369,13 +360,16 @@ def grpo_loss(
             weights = weights.reshape(-1)                   # [B, 1] as [B]: a weight per sequence
         # TRL's sequence log-ratio, one per row with its gradient (each token's: 1 / n_b)
         seq_log_ratio = None
-        if sequence and (loss_type in _CLIPPED + ("cispo",) or (beta != 0 and use_bias_correction_kl)):
+        if sequence and (loss_type in _CLIPPED + ("cispo", "sapo") or (beta != 0 and use_bias_correction_kl)):
             seq_log_ratio = masked_mean(per_token_logps.float() - old.detach().float(), mask, dim=-1).unsqueeze(-1)
 
         agg = _aggregation(loss_type, mask, num_items_in_batch, max_completion_length,
                            gradient_accumulation_steps, steps_per_generation, num_processes)
-        token_old = _gspo_old_log_probs(per_token_logps, old, mask) if sequence and loss_type in ("cispo", "sapo") \
-            else old
+        token_old = old
+        if sequence and loss_type in ("cispo", "sapo"):
+            # Old log-probs whose token log-ratio is the row's, sg(log_probs - l_b): a token-level
+            # loss then sees GSPO-token's ratio, value s_b and gradient s_b grad log_probs per token.
+            token_old = per_token_logps.detach().float() - seq_log_ratio.detach()
 
         # The policy term.
         if loss_type in _CLIPPED and sequence:
