@@ -382,7 +382,8 @@ def grpo_loss(
             )
             pg_loss = pg_rows.expand(mask.shape)
             if weights is not None:
-                # a where, not a product: a NaN weight where masked would reach the row's gradient
+                # per-token weights are 0 where masked (a where): a NaN weight there would reach
+                # the row's gradient, which sums over the row's tokens
                 w = weights.reshape(mask.shape[0], -1)
                 pg_loss = pg_loss * (torch.where(mask, w, 0.0) if w.shape == mask.shape else w)
             loss = agg(pg_loss, mask)
