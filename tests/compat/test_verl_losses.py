@@ -328,6 +328,17 @@ def test_old_log_prob_of_another_shape_or_dtype_raises(name):
         loss_fn(old.long(), lp, A, mask, "token-mean", config)
 
 
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl", "cispo"])
+def test_rollout_is_weights_of_another_shape_or_dtype_raises(name):
+    """The twins that multiply rollout_is_weights in themselves check it as the native losses do."""
+    old, lp, A, mask, weights = _inputs("ordinary")
+    loss_fn = tf_verl.get_policy_loss_fn(name)
+    with pytest.raises(ValueError, match=rf"rollout_is_weights has shape \({T},\) but log_probs? has shape"):
+        loss_fn(old, lp, A, mask, "token-mean", None, weights[0])
+    with pytest.raises(TypeError, match="rollout_is_weights has dtype torch.int64"):
+        loss_fn(old, lp, A, mask, "token-mean", None, weights.long())
+
+
 def test_bad_input():
     old, lp, A, mask, _ = _inputs("ordinary")
     with pytest.raises(InvalidArgumentError, match="response_mask has values other than 0 and 1"):

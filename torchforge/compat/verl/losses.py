@@ -402,7 +402,7 @@ def _dppo(fn, divergence, old_log_prob, log_prob, advantages, response_mask, los
         valid = torch.where(A > 0, valid_positive, valid_negative).float()
         weights = ratio.clamp(max=clip_ratio_c) * valid
         if rollout_is_weights is not None:
-            weights = weights * rollout_is_weights.detach().float()
+            weights = weights * check_per_token(fn, "rollout_is_weights", rollout_is_weights, log_prob)
     with reraise_as(fn):
         pg_loss, _ = reinforce_loss(log_prob, A, mask, weights, aggregation=agg, with_metrics=False)
     with torch.no_grad():
