@@ -200,7 +200,9 @@ def sapo_loss(
     tau = torch.where(A > 0, tau_pos, tau_neg)
     # pg_loss = -A * gate, gate = (4 / tau) * sigmoid(tau * (ratio - 1)), times weights: the
     # detached factors form one coefficient, so one product lies on the gradient's path.
-    coef = -A * (4 / tau) if weights is None else -A * (4 / tau) * weights
+    coef = -A * (4 / tau)
+    if weights is not None:
+        coef = coef * weights
     pg_loss = coef * torch.sigmoid(tau * (ratio - 1))
     metrics = {}
     if with_metrics:
